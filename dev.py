@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Set up a local virtualenv and run zmqdp's main job or its checks.
+
+    python3 dev.py demo    run the demo (`python -m zmqdp demo`) on a mock engine group
+    python3 dev.py check   run ruff, mypy --strict and the test suite
+
+Only the standard library is used here, so a fresh machine with Python >= 3.11,
+pip and venv is enough. The virtualenv lives in `.venv/` and is reused; it is
+reinstalled when `pyproject.toml` changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / "python"
+STAMP = VENV / ".zmqdp-installed"
+
+
+def _run(*cmd: str | Path) -> None:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], cwd=ROOT, check=True)
+
+
+def ensure_venv() -> None:
+    if sys.version_info < (3, 11):  # noqa: UP036 - this script must run on any python3
+        sys.exit(f"zmqdp needs Python >= 3.11, this is {sys.version.split()[0]}")
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == want and PY.exists():
+        return
+    if not PY.exists():
+        print(f"+ creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+    _run(PY, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    _run(PY, "-m", "pip", "install", "--quiet", "-e", ".[test,dev]")
+    STAMP.write_text(want)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"demo", "check", "setup"}:
+        print(__doc__)
+        return 2
+    ensure_venv()
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "demo":
+            _run(PY, "-m", "zmqdp", "demo", *rest)
+        elif command == "check":
+            _run(BIN / "ruff", "check", ".")
+            _run(BIN / "ruff", "format", "--check", ".")
+            _run(BIN / "mypy", "--strict", "zmqdp")
+            _run(PY, "-m", "pytest", *rest)
+    except subprocess.CalledProcessError as exc:
+        return exc.returncode or 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

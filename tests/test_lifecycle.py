@@ -1,0 +1,162 @@
+"""Request retirement in every order: the state machine, plus a few worked examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import settings
+
+from tests.lifecycle_model import RetirementMachine
+from zmqdp._core.errors import DuplicateRequestId, InvalidRank, NoEngineAvailable
+from zmqdp._core.messages import Load, Output
+from zmqdp._core.requests import Outcome, RequestBook
+from zmqdp._core.routing import Routing
+
+TestRetirement = RetirementMachine.TestCase
+TestRetirement.settings = settings(settings.default, stateful_step_count=60)
+
+
+def _book(n: int = 2) -> RequestBook[object]:
+    return RequestBook(Routing(n, up=True))
+
+
+def test_cold_burst_round_robins() -> None:  # SMG #5
+    book = _book(2)
+    assert [book.submit(f"r{i}", object()) for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_unreported_rank_beats_a_loaded_one() -> None:  # SMG #4
+    book = _book(2)
+    book.submit("held", object(), 0)
+    book.routing.observe_load(0, Load(waiting=5, running=3, kv=0.2), seq=1)
+    assert book.routing.score(0) == 8
+    assert book.submit("next", object()) == 1
+
+
+def test_kv_penalty_only_counts_waiting_above_half_full() -> None:
+    routing = Routing(3, up=True)
+    for r in range(3):
+        routing.select(f"x{r}", r)
+    routing.observe_load(0, Load(waiting=2, running=2, kv=1.0))  # 4 + 2*6*0.5 = 10
+    routing.observe_load(1, Load(waiting=2, running=3, kv=0.5))  # 5, no penalty at 0.5
+    routing.observe_load(2, Load(waiting=2, running=2, kv=math.nan))  # 4, NaN adds nothing
+    assert [routing.score(r) for r in range(3)] == [10.0, 5.0, 4.0]
+    assert routing.select("y") == 2
+
+
+def test_failed_duplicate_submit_keeps_the_live_reservation() -> None:  # SMG #6
+    book = _book(2)
+    assert book.submit("dup", object()) == 0
+    with pytest.raises(DuplicateRequestId, match=r"'dup'.*rank 0"):
+        book.submit("dup", object())
+    assert [book.routing.inflight_count(r) for r in range(2)] == [1, 0]
+    assert book.submit("next", object()) == 1
+
+
+def test_retiring_twice_frees_only_its_own_slot() -> None:  # SMG #7
+    book = _book(2)
+    doomed, held = object(), object()
+    book.submit("doomed", doomed, 0)
+    book.submit("held", held, 0)
+    first = book.abort("doomed")
+    assert first is not None and first.rank == 0
+    assert book.abort("doomed", doomed) is None  # the stream closing later: a no-op
+    book.apply_batch(0, [], ["doomed"])  # the engine's confirmation: a no-op too
+    assert book.routing.inflight_ids(0) == {"held"}
+    assert book.submit("next", object()) == 1
+
+
+def test_an_emptied_rank_sheds_its_stale_queue_counts() -> None:  # SMG #8
+    book = _book(2)
+    book.submit("a", object(), 0)
+    book.submit("b", object(), 1)
+    book.routing.observe_load(0, Load(waiting=5, running=3, kv=0.7), seq=4)
+    fx = book.apply_batch(0, [Output("a", 1, "stop")])
+    assert [e.outcome for e in fx.ended] == [Outcome.FINISHED]
+    assert book.routing.load(0) == Load(0, 0, 0.7)
+    assert book.submit("c", object()) == 0
+
+
+def test_many_select_release_cycles_leave_every_set_empty() -> None:  # SMG #9
+    routing = Routing(4, up=True)
+    for i in range(8 * 2000):
+        rank = routing.select(f"r{i}")
+        routing.release(rank, [f"r{i}", f"r{i}"])
+    assert all(routing.inflight_count(r) == 0 for r in range(4))
+
+
+def test_pinned_rank_must_exist_and_be_up() -> None:
+    book = _book(2)
+    with pytest.raises(InvalidRank, match=r"rank 2 .*'r'.*out of range"):
+        book.submit("r", object(), 2)
+    book.rank_down(1, "test")
+    with pytest.raises(InvalidRank, match="down"):
+        book.submit("r", object(), 1)
+    assert book.submit("r", object()) == 0  # the unpinned pick skips the down rank
+    book.rank_down(0, "test")
+    with pytest.raises(NoEngineAvailable):
+        book.submit("s", object())
+
+
+def test_late_output_for_a_reused_id_never_reaches_the_new_request() -> None:
+    book = _book(1)
+    old, new = object(), object()
+    book.submit("r", old)
+    assert book.abort("r") is not None
+    book.submit("r", new)  # same id, same rank, before the engine confirmed the abort
+    fx = book.apply_batch(0, [Output("r", "old token")])
+    assert fx.deliveries == [] and fx.late == 1
+    fx = book.apply_batch(0, [], ["r"])  # the confirmation of the abort
+    assert fx.ended == [] and book.routing.inflight_ids(0) == {"r"}
+    fx = book.apply_batch(0, [Output("r", "new", "stop")])
+    assert fx.deliveries == [(new, Output("r", "new", "stop"))]
+    assert [(e.handle, e.outcome) for e in fx.ended] == [(new, Outcome.FINISHED)]
+
+
+def test_finished_without_abort_is_truncated_and_terminal_plus_finished_is_one_end() -> None:
+    book = _book(1)
+    a, b = object(), object()
+    book.submit("a", a)
+    book.submit("b", b)
+    fx = book.apply_batch(0, [Output("a", 1, "stop")], ["a", "b"])
+    assert [(e.handle, e.outcome) for e in fx.ended] == [
+        (a, Outcome.FINISHED),
+        (b, Outcome.TRUNCATED),
+    ]
+    assert len(book) == 0 and book.routing.inflight_count(0) == 0
+
+
+def test_outputs_from_the_wrong_rank_are_counted_not_delivered() -> None:
+    book = _book(2)
+    book.submit("a", object(), 0)
+    fx = book.apply_batch(1, [Output("a", 1, "stop")], ["a"])
+    assert fx.deliveries == [] and fx.ended == [] and fx.unknown == 2
+    assert "a" in book
+
+
+def test_rank_death_fails_its_requests_once_and_rejoin_restores_selection() -> None:
+    book = _book(2)
+    h = object()
+    book.submit("a", h, 1)
+    ended = book.rank_down(1, "announced dead")
+    assert [(e.handle, e.outcome, e.cause) for e in ended] == [
+        (h, Outcome.FAILED, "announced dead")
+    ]
+    assert book.rank_down(1, "again") == []
+    assert book.apply_batch(1, [Output("a", 1, "stop")]).ended == []
+    book.rank_up(1)
+    assert book.routing.is_up(1) and book.submit("a", object(), 1) == 1
+
+
+def test_seq_orders_load_reports() -> None:
+    routing = Routing(1, up=True)
+    routing.select("x", 0)
+    assert routing.observe_load(0, Load(1, 1, 0.1), seq=5)
+    assert not routing.observe_load(0, Load(9, 9, 0.9), seq=4)
+    assert routing.load(0) == Load(1, 1, 0.1)
+    assert routing.observe_load(0, Load(2, 2, 0.2))  # no seq: always the newest
+    routing.take_down(0)
+    assert not routing.observe_load(0, Load(3, 3, 0.3), seq=6)
+    routing.set_up(0)
+    assert routing.observe_load(0, Load(0, 0, 0.3), seq=0)  # a new incarnation starts at 0

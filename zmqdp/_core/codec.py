@@ -1,0 +1,386 @@
+"""Encode and decode every message of PROTOCOL.md.
+
+Decoding is total: for any byte string, a `decode_*` function returns a typed message or
+raises `ProtocolError` (never anything else), in time linear in the input. It enforces
+§7 through `cbor.loads`, checks the type of every known key, and vets every opaque value
+it hands on (bodies, READY info, CALL arguments, reply results) with `cbor.check_value`.
+Unknown keys are ignored, unread, so a later protocol version can add fields. Booleans
+are not integers here (CBOR keeps them apart even though Python does not), and
+counters, ranks and waves must be >= 0.
+
+Encoding our own fixed-shape messages goes straight to cbor2. Values that come from the
+application (an ADD body, CALL arguments) are checked against §7 after encoding, so a
+body that a conforming engine would have to reject is refused before it is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import cbor2
+
+from . import cbor
+from .errors import ProtocolError
+from .messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Add,
+    Call,
+    HandshakeMessage,
+    Hello,
+    Init,
+    Load,
+    Output,
+    OutputBatch,
+    Ready,
+    Register,
+    Reject,
+    Reply,
+    RequestMessage,
+    Resync,
+    Wake,
+)
+
+__all__ = [
+    "ABORT",
+    "ADD",
+    "CALL",
+    "WAKE",
+    "decode_batch",
+    "decode_handshake",
+    "decode_request",
+    "encode_batch",
+    "encode_handshake",
+    "encode_request",
+]
+
+# Request type frames (§3): one raw byte each.
+ADD = b"\x00"
+ABORT = b"\x01"
+WAKE = b"\x02"
+CALL = b"\x03"
+
+_MISSING: Any = object()
+
+
+# -- field checks ---------------------------------------------------------------------
+
+
+def _map(value: Any, what: str) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise ProtocolError(f"{what} must be a CBOR map, got {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {
+        int: "an integer",
+        float: "a float",
+        str: "a text string",
+        bytes: "a byte string",
+        list: "an array",
+        dict: "a map",
+    }.get(type(value), type(value).__name__)
+
+
+def _count(m: Mapping[str, Any], key: str, what: str, *, required: bool = False) -> int | None:
+    """A non-negative integer field (rank, size, seq, wave, counts...). Null = absent."""
+    value = m.get(key)
+    if value is None:
+        if required:
+            raise ProtocolError(f"{what} lacks required key {key!r}")
+        return None
+    if type(value) is not int or value < 0:
+        raise ProtocolError(f"{what} key {key!r} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _text(m: Mapping[str, Any], key: str, what: str, *, required: bool = False) -> str | None:
+    """A text field. Null counts as absent, as for every optional key."""
+    value = m.get(key)
+    if value is None:
+        if required:
+            raise ProtocolError(f"{what} lacks required key {key!r}")
+        return None
+    if type(value) is not str:
+        raise ProtocolError(f"{what} key {key!r} must be a text string, got {_kind(value)}")
+    return value
+
+
+def _texts(value: Any, what: str) -> tuple[str, ...]:
+    if type(value) is not list:
+        raise ProtocolError(f"{what} must be an array of text strings, got {_kind(value)}")
+    for item in value:
+        if type(item) is not str:
+            raise ProtocolError(f"{what} must hold text strings only, got {_kind(item)}")
+    return tuple(value)
+
+
+# -- handshake ------------------------------------------------------------------------
+
+
+def encode_handshake(msg: HandshakeMessage) -> bytes:
+    """The CBOR body of a handshake-socket message (or REGISTER on the input socket)."""
+    if isinstance(msg, Hello):
+        body: dict[str, Any] = {
+            "type": "hello",
+            "version": msg.version,
+            "rank": msg.rank,
+            "size": msg.size,
+            "lockstep": msg.lockstep,
+        }
+        if msg.wave is not None:
+            body["wave"] = msg.wave
+    elif isinstance(msg, Init):
+        body = {
+            "type": "init",
+            "version": msg.version,
+            "input": msg.input,
+            "output": msg.output,
+            "size": msg.size,
+        }
+    elif isinstance(msg, Reject):
+        body = {"type": "reject", "reason": msg.reason}
+    elif isinstance(msg, Ready):
+        return cbor.dumps({"type": "ready", "info": dict(msg.info)})
+    elif isinstance(msg, Register):
+        body = {"type": "register"}
+    elif isinstance(msg, Resync):
+        body = {"type": "resync"}
+    else:  # pragma: no cover - exhaustiveness guard
+        raise TypeError(f"not a handshake message: {msg!r}")
+    return cbor2.dumps(body)
+
+
+def decode_handshake(data: bytes | memoryview) -> HandshakeMessage:
+    """Decode a handshake-socket body (either direction) or a REGISTER."""
+    m = _map(cbor.loads(data), "handshake message")
+    kind = _text(m, "type", "handshake message", required=True)
+    what = f"{kind!r} message"
+    if kind == "hello":
+        version = _count(m, "version", what, required=True)
+        rank = _count(m, "rank", what, required=True)
+        size = _count(m, "size", what, required=True)
+        lockstep = m.get("lockstep")
+        if type(lockstep) is not bool:
+            raise ProtocolError(f"{what} key 'lockstep' must be a boolean, got {_kind(lockstep)}")
+        wave = _count(m, "wave", what)
+        assert version is not None and rank is not None and size is not None
+        return Hello(rank=rank, size=size, lockstep=lockstep, wave=wave, version=version)
+    if kind == "init":
+        version = _count(m, "version", what, required=True)
+        size = _count(m, "size", what, required=True)
+        inp = _text(m, "input", what, required=True)
+        out = _text(m, "output", what, required=True)
+        assert version is not None and size is not None and inp is not None and out is not None
+        return Init(input=inp, output=out, size=size, version=version)
+    if kind == "reject":
+        reason = _text(m, "reason", what, required=True)
+        assert reason is not None
+        return Reject(reason=reason)
+    if kind == "ready":
+        info = m.get("info")
+        if info is None:
+            return Ready()
+        cbor.check_value(_map(info, "'ready' message key 'info'"))
+        return Ready(info=info)
+    if kind == "register":
+        return Register()
+    if kind == "resync":
+        return Resync()
+    raise ProtocolError(f"unknown handshake message type {kind!r}")
+
+
+# -- requests -------------------------------------------------------------------------
+
+
+def encode_request(msg: RequestMessage) -> tuple[bytes, bytes]:
+    """The `(type, body)` frames of a request. Raises `ProtocolError` for a body or
+    argument that has no §7 form (the caller names the request)."""
+    if isinstance(msg, Add):
+        return ADD, cbor.dumps({"id": msg.id, "body": msg.body})
+    if isinstance(msg, Abort):
+        return ABORT, cbor2.dumps(list(msg.ids))
+    if isinstance(msg, Wake):
+        return WAKE, cbor2.dumps({"wave": msg.wave})
+    if isinstance(msg, Call):
+        return CALL, cbor.dumps({"call": msg.call, "method": msg.method, "args": list(msg.args)})
+    raise TypeError(f"not a request message: {msg!r}")  # pragma: no cover
+
+
+def decode_request(kind: bytes, data: bytes | memoryview) -> RequestMessage | None:
+    """Decode a request as an engine receives it. Returns None for a type byte this
+    version does not know: §3 says an engine must ignore it."""
+    if kind == ADD:
+        m = _map(cbor.loads(data), "ADD body")
+        rid = _text(m, "id", "ADD", required=True)
+        if "body" not in m:
+            raise ProtocolError("ADD lacks required key 'body'", request_id=rid)
+        assert rid is not None
+        body = m["body"]
+        try:
+            cbor.check_value(body)
+        except ProtocolError as exc:
+            raise exc.at(request_id=rid) from None
+        return Add(id=rid, body=body)
+    if kind == ABORT:
+        return Abort(ids=_texts(cbor.loads(data), "ABORT body"))
+    if kind == WAKE:
+        wave = _count(_map(cbor.loads(data), "WAKE body"), "wave", "WAKE", required=True)
+        assert wave is not None
+        return Wake(wave=wave)
+    if kind == CALL:
+        m = _map(cbor.loads(data), "CALL body")
+        call = _count(m, "call", "CALL", required=True)
+        method = _text(m, "method", "CALL", required=True)
+        args = m.get("args")
+        if args is None:
+            args = []
+        if type(args) is not list:
+            raise ProtocolError(f"CALL key 'args' must be an array, got {_kind(args)}")
+        cbor.check_value(args)
+        assert call is not None and method is not None
+        return Call(call=call, method=method, args=tuple(args))
+    if len(kind) != 1:
+        raise ProtocolError(f"request type frame must be one byte, got {len(kind)}")
+    return None
+
+
+# -- output batches -------------------------------------------------------------------
+
+
+def encode_batch(batch: OutputBatch) -> bytes:
+    """The CBOR body of an output batch (engine side). Raises `ProtocolError` if an
+    output body or reply result has no §7 form."""
+    body: dict[str, Any] = {"rank": batch.rank}
+    if batch.seq is not None:
+        body["seq"] = batch.seq
+    if batch.outputs:
+        body["outputs"] = [
+            {"id": o.request_id, "body": o.body, "finish": o.finish} for o in batch.outputs
+        ]
+    if batch.finished:
+        body["finished"] = list(batch.finished)
+    if batch.load is not None:
+        ld = batch.load
+        body["load"] = {"waiting": ld.waiting, "running": ld.running, "kv": ld.kv}
+    if batch.wave_complete is not None:
+        body["wave_complete"] = batch.wave_complete
+    if batch.start_wave is not None:
+        body["start_wave"] = batch.start_wave
+    if batch.replies:
+        body["replies"] = [
+            {"call": r.call, "error": r.error}
+            if r.error is not None
+            else {"call": r.call, "result": r.result}
+            for r in batch.replies
+        ]
+    if batch.dead is not None:
+        body["dead"] = batch.dead
+    return cbor.dumps(body)
+
+
+def _output(item: Any) -> Output:
+    if type(item) is not dict:
+        raise ProtocolError(f"each entry of 'outputs' must be a map, got {_kind(item)}")
+    rid = item.get("id", _MISSING)
+    if type(rid) is not str:
+        raise ProtocolError(
+            "an output lacks its 'id'"
+            if rid is _MISSING
+            else f"output key 'id' must be a text string, got {_kind(rid)}"
+        )
+    finish = item.get("finish")
+    if finish is not None and type(finish) is not str:
+        raise ProtocolError(
+            f"output key 'finish' must be a text string or null, got {_kind(finish)}",
+            request_id=rid,
+        )
+    body = item.get("body")
+    if body is not None:
+        try:
+            cbor.check_value(body)
+        except ProtocolError as exc:
+            raise exc.at(request_id=rid) from None
+    return Output(rid, body, finish)
+
+
+def _load(value: Any) -> Load:
+    m = _map(value, "batch key 'load'")
+    waiting = _count(m, "waiting", "load") or 0
+    running = _count(m, "running", "load") or 0
+    kv = m.get("kv", 0.0)
+    if type(kv) is int:
+        kv = float(kv)
+    elif type(kv) is not float:
+        raise ProtocolError(f"load key 'kv' must be a number, got {_kind(kv)}")
+    if not math.isnan(kv):
+        kv = min(1.0, max(0.0, kv))
+    return Load(waiting, running, kv)
+
+
+def _reply(item: Any) -> Reply:
+    m = _map(item, "each entry of 'replies'")
+    call = _count(m, "call", "reply", required=True)
+    assert call is not None
+    error = _text(m, "error", "reply")
+    if error is not None:
+        return Reply(call=call, error=error)
+    result = m.get("result")
+    cbor.check_value(result)
+    return Reply(call=call, result=result)
+
+
+def decode_batch(data: bytes | memoryview) -> OutputBatch:
+    """Decode one output batch as the client receives it."""
+    m = cbor.loads(data)
+    if type(m) is not dict:
+        raise ProtocolError(f"output batch must be a CBOR map, got {_kind(m)}")
+    rank = _count(m, "rank", "output batch", required=True)
+    assert rank is not None
+    try:
+        seq = _count(m, "seq", "output batch")
+        raw = m.get("outputs")
+        if raw is None:
+            outputs: tuple[Output, ...] = ()
+        elif type(raw) is list:
+            outputs = tuple(map(_output, raw))
+        else:
+            raise ProtocolError(f"batch key 'outputs' must be an array, got {_kind(raw)}")
+        raw = m.get("finished")
+        finished = () if raw is None else _texts(raw, "batch key 'finished'")
+        raw = m.get("load")
+        load = None if raw is None else _load(raw)
+        wave_complete = _count(m, "wave_complete", "output batch")
+        start_wave = _count(m, "start_wave", "output batch")
+        raw = m.get("replies")
+        if raw is None:
+            replies: tuple[Reply, ...] = ()
+        elif type(raw) is list:
+            replies = tuple(map(_reply, raw))
+        else:
+            raise ProtocolError(f"batch key 'replies' must be an array, got {_kind(raw)}")
+        dead = _text(m, "dead", "output batch")
+    except ProtocolError as exc:
+        raise exc.at(rank=rank) from None
+    return OutputBatch(
+        rank=rank,
+        seq=seq,
+        outputs=outputs,
+        finished=finished,
+        load=load,
+        wave_complete=wave_complete,
+        start_wave=start_wave,
+        replies=replies,
+        dead=dead,
+    )
+
+
+def version_supported(version: int) -> bool:
+    return version == PROTOCOL_VERSION

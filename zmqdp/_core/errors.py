@@ -1,0 +1,155 @@
+"""zmqdp's exception tree: one base class, one subclass per situation a caller can act on.
+
+Every message names the rank, the request id and the cause where they are known, so a
+log line alone tells an operator which engine to look at.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DuplicateRequestId",
+    "EngineDead",
+    "GroupClosed",
+    "HandshakeRejected",
+    "HandshakeTimeout",
+    "InvalidRank",
+    "InvalidRequest",
+    "NoEngineAvailable",
+    "ProtocolError",
+    "StreamTruncated",
+    "ZmqdpError",
+]
+
+
+def _where(rank: int | None, request_id: str | None) -> str:
+    parts = []
+    if rank is not None:
+        parts.append(f"rank {rank}")
+    if request_id is not None:
+        parts.append(f"request {request_id!r}")
+    return ", ".join(parts)
+
+
+class ZmqdpError(Exception):
+    """Base class of every error zmqdp raises on purpose."""
+
+
+class ProtocolError(ZmqdpError):
+    """A peer sent bytes or a message that PROTOCOL.md does not allow.
+
+    Raised by the codec for any undecodable or invalid body; never anything else.
+    `rank` and `request_id` are filled in by the layer that knows them.
+    """
+
+    def __init__(self, cause: str, *, rank: int | None = None, request_id: str | None = None):
+        self.cause = cause
+        self.rank = rank
+        self.request_id = request_id
+        where = _where(rank, request_id)
+        super().__init__(f"{where}: {cause}" if where else cause)
+
+    def at(self, rank: int | None = None, request_id: str | None = None) -> ProtocolError:
+        """The same error, placed at a rank and/or request."""
+        return ProtocolError(
+            self.cause,
+            rank=self.rank if rank is None else rank,
+            request_id=self.request_id if request_id is None else request_id,
+        )
+
+
+class InvalidRequest(ZmqdpError, ValueError):
+    """A request cannot be sent as it is (for example its body has no CBOR form §7 allows)."""
+
+    def __init__(self, request_id: str, cause: str):
+        self.request_id = request_id
+        self.cause = cause
+        super().__init__(f"request {request_id!r} cannot be sent: {cause}")
+
+
+class DuplicateRequestId(ZmqdpError, ValueError):
+    """A request with this id is still live; ids must be unique among live requests."""
+
+    def __init__(self, request_id: str, rank: int | None = None):
+        self.request_id = request_id
+        self.rank = rank
+        on = f" on rank {rank}" if rank is not None else ""
+        super().__init__(
+            f"request {request_id!r} is already live{on}; wait for it to end or abort it first"
+        )
+
+
+class InvalidRank(ZmqdpError, ValueError):
+    """A pinned request names a rank that does not exist or is not up."""
+
+    def __init__(self, rank: int, size: int, request_id: str | None, cause: str):
+        self.rank = rank
+        self.size = size
+        self.request_id = request_id
+        self.cause = cause
+        req = f" (request {request_id!r})" if request_id is not None else ""
+        super().__init__(f"rank {rank}{req}: {cause}")
+
+
+class NoEngineAvailable(ZmqdpError):
+    """An unpinned request found no rank up to take it (every rank is down or rejoining)."""
+
+    def __init__(self, request_id: str, size: int):
+        self.request_id = request_id
+        self.size = size
+        super().__init__(
+            f"request {request_id!r}: none of the {size} ranks is up; "
+            "wait for a rank to rejoin and submit again"
+        )
+
+
+class HandshakeTimeout(ZmqdpError, TimeoutError):
+    """The group was not ready in time; names every missing rank and every rejected HELLO."""
+
+    def __init__(self, missing: dict[int, str], rejected: list[str], timeout: float):
+        self.missing = dict(missing)
+        self.rejected = list(rejected)
+        self.timeout = timeout
+        lines = [f"engine group not ready after {timeout:g} s"]
+        lines += [f"  rank {r}: {why}" for r, why in sorted(self.missing.items())]
+        lines += [f"  rejected HELLO: {why}" for why in self.rejected]
+        super().__init__("\n".join(lines))
+
+
+class HandshakeRejected(ZmqdpError):
+    """Engine side: the client answered our HELLO with REJECT."""
+
+    def __init__(self, rank: int, reason: str):
+        self.rank = rank
+        self.reason = reason
+        super().__init__(f"rank {rank}: the client rejected this engine: {reason}")
+
+
+class EngineDead(ZmqdpError):
+    """A rank was declared dead (PROTOCOL.md §6); the requests it held fail with this."""
+
+    def __init__(self, rank: int, cause: str, request_id: str | None = None):
+        self.rank = rank
+        self.cause = cause
+        self.request_id = request_id
+        super().__init__(f"{_where(rank, request_id)}: engine is dead: {cause}")
+
+
+class GroupClosed(ZmqdpError):
+    """The EngineGroup is closed or has failed; no request can be submitted or served."""
+
+    def __init__(self, cause: str = "the engine group is closed", request_id: str | None = None):
+        self.cause = cause
+        self.request_id = request_id
+        super().__init__(f"request {request_id!r}: {cause}" if request_id else cause)
+
+
+class StreamTruncated(ZmqdpError):
+    """The engine dropped a request (listed it in `finished`) without a terminal output."""
+
+    def __init__(self, rank: int, request_id: str):
+        self.rank = rank
+        self.request_id = request_id
+        super().__init__(
+            f"{_where(rank, request_id)}: the engine dropped the request without a "
+            "terminal output (listed it in `finished`); the stream is incomplete"
+        )

@@ -1,0 +1,174 @@
+"""Typed messages of PROTOCOL.md, one frozen class per message.
+
+These are plain values: the codec (`codec.py`) turns them into bytes and back, and the
+state machines consume them. Field names follow the wire keys, except where a Python
+name is clearer (`Output.request_id` for the wire key `id`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "Add",
+    "Call",
+    "HandshakeMessage",
+    "Hello",
+    "Init",
+    "Load",
+    "Output",
+    "OutputBatch",
+    "Ready",
+    "Register",
+    "Reject",
+    "Reply",
+    "RequestMessage",
+    "Resync",
+    "Wake",
+]
+
+PROTOCOL_VERSION = 1
+
+
+# -- handshake (§2) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """engine -> client: "I am rank `rank` of a group of `size`"."""
+
+    rank: int
+    size: int
+    lockstep: bool
+    wave: int | None = None
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Init:
+    """client -> engine: the exact input and output addresses to connect to."""
+
+    input: str
+    output: str
+    size: int
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """client -> engine: this HELLO was refused, and why."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """engine -> client: free-form engine metadata, exposed to users as is."""
+
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """engine -> client on the input socket: proves the input route exists."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """client -> engine: drop every request and redo the handshake."""
+
+
+HandshakeMessage = Hello | Init | Reject | Ready | Register | Resync
+
+
+# -- requests (§3) --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Queue request `id` with the application's payload `body`."""
+
+    id: str
+    body: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Drop these requests; idempotent on the engine."""
+
+    ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Lockstep only: start (or join) wave `wave` unless it is stale (§5)."""
+
+    wave: int
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run a utility method; the answer comes back in `OutputBatch.replies`."""
+
+    call: int
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+RequestMessage = Add | Abort | Wake | Call
+
+
+# -- outputs (§4) ---------------------------------------------------------------------
+
+
+class Output(NamedTuple):
+    """One output of one request. A string `finish` makes it the request's last.
+
+    A named tuple rather than a frozen dataclass: it is built once per output on the
+    dispatcher's hot path, and tuple construction is several times cheaper.
+    """
+
+    request_id: str
+    body: Any = None
+    finish: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.finish is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A rank's scheduler snapshot. `kv` is the KV-cache usage fraction (NaN if unknown)."""
+
+    waiting: int = 0
+    running: int = 0
+    kv: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to `Call(call=...)`: a `result`, or an `error` string."""
+
+    call: int
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBatch:
+    """One engine -> client message. Every field but `rank` is optional on the wire."""
+
+    rank: int
+    seq: int | None = None
+    outputs: tuple[Output, ...] = ()
+    finished: tuple[str, ...] = ()
+    load: Load | None = None
+    wave_complete: int | None = None
+    start_wave: int | None = None
+    replies: tuple[Reply, ...] = ()
+    dead: str | None = None
