@@ -1,0 +1,108 @@
+"""Group URLs: where the client binds and what it advertises in INIT (PROTOCOL.md §1).
+
+For `ipc://P` the client binds the handshake at `ipc://P`, input at `ipc://P.in` and
+output at `ipc://P.out`. The directory holding them is created with mode 0700 if it is
+missing, and refused if another user owns it or group/others may write it: anyone who
+can write there can replace a socket file and impersonate an engine or the client.
+Stale socket files are removed before binding (never other kinds of file).
+
+For `tcp://H:PORT` the handshake binds there and input/output bind on OS-chosen ports
+of the same host. A wildcard host (`*`, `0.0.0.0`, `::`) cannot be advertised, so it
+needs an explicit `advertise_host`.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+__all__ = ["GroupAddress", "parse_group_url"]
+
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", "[*]"})
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAddress:
+    """Where to bind. For tcp, input/output end in ':*' (the OS picks the port)."""
+
+    transport: str  # "ipc" | "tcp"
+    handshake: str
+    input: str
+    output: str
+    advertise_host: str | None = None  # tcp: the host INIT names
+    ipv6: bool = False
+
+    def advertised(self, bound: str) -> str:
+        """The address to put in INIT for a socket bound at `bound` (its LAST_ENDPOINT)."""
+        if self.transport != "tcp" or self.advertise_host is None:
+            return bound
+        port = bound.rsplit(":", 1)[1]
+        host = self.advertise_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"tcp://{host}:{port}"
+
+
+def parse_group_url(url: str, advertise_host: str | None = None) -> GroupAddress:
+    """Check a group URL and derive the three bind addresses. Raises ValueError with
+    what is wrong and how to fix it."""
+    if url.startswith("ipc://"):
+        path = url[len("ipc://") :]
+        if not path:
+            raise ValueError(f"group URL {url!r} has no path")
+        return GroupAddress("ipc", url, f"{url}.in", f"{url}.out")
+    if url.startswith("tcp://"):
+        rest = url[len("tcp://") :]
+        host, sep, port = rest.rpartition(":")
+        if not sep or not host or not port:
+            raise ValueError(f"group URL {url!r} must look like tcp://HOST:PORT")
+        if port != "*" and not port.isdigit():
+            raise ValueError(f"group URL {url!r}: port {port!r} is not a number")
+        wildcard = host in WILDCARD_HOSTS
+        if wildcard and not advertise_host:
+            raise ValueError(
+                f"group URL {url!r} binds a wildcard host, which engines cannot connect "
+                "to: pass advertise_host=<an address the engines can reach>"
+            )
+        ipv6 = ":" in host or (advertise_host is not None and ":" in advertise_host)
+        return GroupAddress(
+            "tcp",
+            url,
+            f"tcp://{host}:*",
+            f"tcp://{host}:*",
+            advertise_host if wildcard else None,
+            ipv6,
+        )
+    raise ValueError(f"group URL {url!r}: only ipc:// and tcp:// are supported")
+
+
+def prepare_ipc_directory(address: GroupAddress) -> None:
+    """Create or check the socket directory and remove stale socket files.
+    Raises PermissionError with the fix if the directory is unsafe."""
+    if address.transport != "ipc":
+        return
+    path = address.handshake[len("ipc://") :]
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.stat(directory)
+    if st.st_uid != os.getuid():
+        raise PermissionError(
+            f"ipc directory {directory} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.getuid()}): use a directory of your own, e.g. under $XDG_RUNTIME_DIR"
+        )
+    if st.st_mode & 0o022:
+        raise PermissionError(
+            f"ipc directory {directory} is writable by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):o}): other users could replace the sockets; "
+            f"fix it with: chmod go-w {directory}"
+        )
+    for sock_path in (path, f"{path}.in", f"{path}.out"):
+        try:
+            mode = os.lstat(sock_path).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISSOCK(mode):
+            raise FileExistsError(f"{sock_path} exists and is not a socket; refusing to replace it")
+        os.unlink(sock_path)

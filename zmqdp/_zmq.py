@@ -1,0 +1,263 @@
+"""A small trio adapter for pyzmq sockets.
+
+Theory of operation
+-------------------
+pyzmq has no trio support, and `ZMQ_FD` is not a normal file descriptor: it is the
+socket's *mailbox*, readable when libzmq has unprocessed commands, and **any** zmq call
+on the socket (send, recv, even reading `EVENTS`) may consume that edge while messages
+stay queued (trio_zmq.md §A.2-A.3). The rules that make it safe, all enforced here:
+
+1. **One task per socket.** The first task that uses a `ZSocket` owns it; any other
+   task gets `trio.BusyResourceError`. Ownership can be handed over explicitly
+   (`release()`), for example from `connect()` to the dispatcher task. Nobody steals
+   anybody's edge, so no cross-task wake-up protocol is needed.
+2. **EVENTS before every wait.** `_wait()` reads `EVENTS` and only parks on the fd if
+   the wanted flag is clear, and it reads `EVENTS` again after every wake-up.
+3. **Drain in batches.** `receive_batch()` takes up to `limit` messages with `NOBLOCK`
+   and does one checkpoint per batch, not per message (a checkpoint costs ~5 µs, a
+   zmq recv ~1 µs).
+4. **A safety net.** Every fd wait has a timeout (1 s by default); when it fires, the
+   wait re-reads `EVENTS`. A correct adapter never needs it: `statistics().fallbacks`
+   counts the firings and the tests assert it stays 0.
+5. **Cancellation never loses a message.** A receive checks for cancellation *before*
+   it touches the socket and, once it holds messages, only a cancel-shielded
+   checkpoint follows, so a message taken off the socket is always returned.
+6. **Nothing blocks.** Every zmq call is made with `NOBLOCK`.
+7. **Close in order.** `close()` calls `trio.lowlevel.notify_closing(fd)` (waking any
+   waiter with `ClosedResourceError`), then closes the socket with `linger=0`, so
+   closing never waits for unsent messages.
+
+A socket that is both sent on by request and read from (the input ROUTER: ADDs go out,
+REGISTERs come in) still has a single owner: other tasks `enqueue()` frames and the
+owner's `wait_readable_or_kicked()` is woken by a cancel-scope kick. A kick costs one
+cancellation (~60 µs) and only happens when the owner is parked; under load the owner
+is busy draining and nobody kicks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import trio
+import zmq
+
+__all__ = ["POLLIN", "POLLOUT", "ZSocket", "ZSocketStatistics"]
+
+POLLIN = int(zmq.POLLIN)
+POLLOUT = int(zmq.POLLOUT)
+_EVENTS = zmq.EVENTS
+_NOBLOCK = zmq.NOBLOCK
+
+Frames = Sequence[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class ZSocketStatistics:
+    """Counters of one socket."""
+
+    received: int
+    """Messages received."""
+    sent: int
+    """Messages sent."""
+    batches: int
+    """Non-empty batches returned by `receive_batch`."""
+    waits: int
+    """Times the owner parked on the fd."""
+    fallbacks: int
+    """Times the safety timeout, not the fd, ended a wait. Should stay 0."""
+    kicks: int
+    """Times another task woke the parked owner."""
+    queued: int
+    """Messages enqueued by other tasks and not yet sent."""
+
+
+class ZSocket:
+    """A pyzmq socket used from trio by exactly one task at a time."""
+
+    def __init__(self, sock: zmq.Socket[bytes], *, safety_timeout: float = 1.0) -> None:
+        self.sock = sock
+        # getsockopt is typed `int | bytes`; EVENTS and FD are ints. Bind once, typed.
+        self._getsockopt = cast(Callable[[int], int], sock.getsockopt)
+        self.fd: int = self._getsockopt(zmq.FD)
+        self.safety_timeout = safety_timeout
+        self.closed = False
+        self._owner: trio.lowlevel.Task | None = None
+        self._queue: collections.deque[Frames] = collections.deque()
+        self._park: trio.CancelScope | None = None
+        self._received = 0
+        self._sent = 0
+        self._batches = 0
+        self._waits = 0
+        self._fallbacks = 0
+        self._kicks = 0
+
+    # -- ownership --------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        task = trio.lowlevel.current_task()
+        if self._owner is None:
+            self._owner = task
+        elif self._owner is not task:
+            raise trio.BusyResourceError(
+                f"zmq socket {self.sock.type!r} is owned by task {self._owner.name!r}; "
+                f"task {task.name!r} may not touch it"
+            )
+        if self.closed:
+            raise trio.ClosedResourceError("the zmq socket is closed")
+
+    def release(self) -> None:
+        """Give up ownership so another task can claim the socket."""
+        self._owner = None
+
+    # -- waiting ----------------------------------------------------------------------
+
+    async def _wait(self, flag: int) -> None:
+        """Park until `EVENTS & flag`. Re-reads EVENTS after every wake-up."""
+        getsockopt = self._getsockopt
+        while not getsockopt(_EVENTS) & flag:
+            self._waits += 1
+            with trio.move_on_after(self.safety_timeout) as scope:
+                await trio.lowlevel.wait_readable(self.fd)
+            if scope.cancelled_caught:
+                self._fallbacks += 1
+
+    # -- receiving --------------------------------------------------------------------
+
+    def receive_nowait(self, limit: int = 256) -> list[list[bytes]]:
+        """Up to `limit` queued messages, without waiting (possibly none)."""
+        self._claim()
+        return self._drain(limit)
+
+    def _drain(self, limit: int) -> list[list[bytes]]:
+        sock = self.sock
+        out: list[list[bytes]] = []
+        if not self._getsockopt(_EVENTS) & POLLIN:  # avoids a costly zmq.Again
+            return out
+        recv = sock.recv_multipart
+        try:
+            while len(out) < limit:
+                out.append(recv(_NOBLOCK))
+        except zmq.Again:
+            pass
+        self._received += len(out)
+        return out
+
+    async def receive_batch(self, limit: int = 256) -> list[list[bytes]]:
+        """Wait for at least one message and return up to `limit` of them.
+
+        Cancellation: either returns messages or raises `Cancelled` having taken none
+        off the socket; a message once received is never lost.
+        """
+        self._claim()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            batch = self._drain(limit)
+            if batch:
+                self._batches += 1
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return batch
+            await self._wait(POLLIN)
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send_nowait(self, frames: Frames) -> bool:
+        """Send one message now. Returns False if it would block (HWM reached).
+
+        Raises `zmq.ZMQError` with `errno.EHOSTUNREACH` for an unknown ROUTER peer.
+        """
+        self._claim()
+        try:
+            self.sock.send_multipart(frames, _NOBLOCK)
+        except zmq.Again:
+            return False
+        self._sent += 1
+        return True
+
+    async def send(self, frames: Frames) -> None:
+        """Send one message, waiting while it would block.
+
+        Cancellation: if cancelled, the message was not sent.
+        """
+        self._claim()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self.send_nowait(frames):
+            await self._wait(POLLOUT)
+            # ROUTER POLLOUT means "some peer has room", not ours: do not spin.
+            await trio.sleep(0.001)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    # -- other tasks: enqueue and kick ------------------------------------------------
+
+    def enqueue(self, frames: Frames) -> None:
+        """Queue a message for the owner to send (any task may call this)."""
+        if self.closed:
+            raise trio.ClosedResourceError("the zmq socket is closed")
+        self._queue.append(frames)
+        self.kick()
+
+    def kick(self) -> None:
+        """Wake the owner if it is parked in `wait_readable_or_kicked`."""
+        if self._park is not None:
+            self._kicks += 1
+            self._park.cancel()
+            self._park = None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def pop_queued(self) -> Frames | None:
+        """The owner takes the oldest queued message (None if there is none)."""
+        return self._queue.popleft() if self._queue else None
+
+    def unpop_queued(self, frames: Frames) -> None:
+        """The owner puts back a message it could not send yet, keeping the order."""
+        self._queue.appendleft(frames)
+
+    async def wait_readable_or_kicked(self) -> None:
+        """Owner only: park until a message can be received or another task enqueues
+        or kicks. Returns at once if either is already the case."""
+        self._claim()
+        if self._queue:
+            await trio.lowlevel.checkpoint()
+            return
+        with trio.CancelScope() as scope:
+            self._park = scope
+            try:
+                await self._wait(POLLIN)
+            finally:
+                self._park = None
+
+    # -- closing ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close now: wake any waiter with `ClosedResourceError`, drop unsent messages.
+        Safe to call more than once, from any task of this trio run."""
+        if self.closed:
+            return
+        self.closed = True
+        self._queue.clear()
+        with contextlib.suppress(RuntimeError):  # outside trio nobody can be waiting
+            trio.lowlevel.notify_closing(self.fd)
+        self.sock.close(linger=0)
+
+    def statistics(self) -> ZSocketStatistics:
+        return ZSocketStatistics(
+            received=self._received,
+            sent=self._sent,
+            batches=self._batches,
+            waits=self._waits,
+            fallbacks=self._fallbacks,
+            kicks=self._kicks,
+            queued=len(self._queue),
+        )
+
+
+def is_unreachable(exc: zmq.ZMQError) -> bool:
+    """True if a ROUTER_MANDATORY send failed because the peer is not connected."""
+    return exc.errno == errno.EHOSTUNREACH
