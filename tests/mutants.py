@@ -16,13 +16,17 @@ from zmqdp._core.waves import WaveClock
 
 
 class CountingRouting(Routing):
-    """Releases by counter: every id named frees one slot, whichever request holds it
-    (and whether or not that id was still held), as a decrementing counter would."""
+    """Releases by counter: every release of an id decrements the rank's count, even if
+    that id was already released. Modelled on the set so the invariant can name ids:
+    an id still held is removed; otherwise some other request's slot is freed, which
+    is exactly what a decrement by one does to a count."""
 
     def release(self, rank: int, request_ids: Iterable[str]) -> None:
         held = self._inflight[rank]
-        for _ in request_ids:
-            if held:
+        for rid in request_ids:
+            if rid in held:
+                held.discard(rid)
+            elif held:
                 held.pop()
 
 
