@@ -1,8 +1,13 @@
 """zmqdp: drive a data-parallel group of inference engines over ZeroMQ from one trio client.
 
-The wire contract is PROTOCOL.md (version 1). This release ships the sans-IO core
-(codec, least-loaded routing, wave clock, request lifecycle); the trio client
-`EngineGroup`, the engine-side API and the mock engine group follow.
+The wire contract is PROTOCOL.md (version 1).
+
+    async with EngineGroup.connect("ipc:///run/zmqdp/g1", engines=2) as group:
+        async with group.submit(Request("r1", body)) as stream:
+            async for out in stream:
+                ...
+
+Engine authors: see `zmqdp.engine`.
 """
 
 from ._core.errors import (
@@ -15,16 +20,36 @@ from ._core.errors import (
     InvalidRequest,
     NoEngineAvailable,
     ProtocolError,
+    RequestAborted,
     StreamTruncated,
     ZmqdpError,
 )
 from ._core.messages import Load, Output
+from ._core.requests import Outcome
+from .group import (
+    EngineGroup,
+    EngineInfo,
+    GroupStatistics,
+    RankState,
+    RankStatistics,
+    Request,
+    RequestStream,
+)
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "DuplicateRequestId",
     "EngineDead",
+    "EngineGroup",
+    "EngineInfo",
+    "GroupStatistics",
+    "Outcome",
+    "RankState",
+    "RankStatistics",
+    "Request",
+    "RequestAborted",
+    "RequestStream",
     "GroupClosed",
     "HandshakeRejected",
     "HandshakeTimeout",

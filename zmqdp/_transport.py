@@ -100,6 +100,7 @@ class GroupTransport:
         self.on_rank_up: Callable[[int], None] = _noop
         self.on_rejoin: Callable[[int], None] = _noop
         self.on_send_failure: Callable[[int, str], None] = _noop
+        self.on_flushed: Callable[[], None] = _noop  # after the input task sent a run
         self._blocked_since: float | None = None
 
     def _router(self, address: str, max_message_size: int, safety: float) -> ZSocket:
@@ -208,6 +209,7 @@ class GroupTransport:
             for frames in zs.receive_nowait():
                 self._on_input_message(frames)
             if sent_any:
+                self.on_flushed()
                 await trio.lowlevel.checkpoint()
             elif zs.queued and self._blocked_since is not None:
                 # The head message's peer is at its HWM: poll gently until the send

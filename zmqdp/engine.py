@@ -157,6 +157,10 @@ class Engine:
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
 
+    def receive_nowait(self) -> Inbound:
+        """The next inbound message if one is waiting; raises `trio.WouldBlock` if not."""
+        return self._in_recv.receive_nowait()
+
     async def receive(self) -> Inbound:
         """The next inbound message, in the order the client sent it.
 

@@ -16,6 +16,7 @@ __all__ = [
     "InvalidRequest",
     "NoEngineAvailable",
     "ProtocolError",
+    "RequestAborted",
     "StreamTruncated",
     "ZmqdpError",
 ]
@@ -141,6 +142,15 @@ class GroupClosed(ZmqdpError):
         self.cause = cause
         self.request_id = request_id
         super().__init__(f"request {request_id!r}: {cause}" if request_id else cause)
+
+
+class RequestAborted(ZmqdpError):
+    """The request was aborted with `EngineGroup.abort` while its stream was being read."""
+
+    def __init__(self, rank: int, request_id: str):
+        self.rank = rank
+        self.request_id = request_id
+        super().__init__(f"rank {rank}, request {request_id!r}: aborted by the client")
 
 
 class StreamTruncated(ZmqdpError):

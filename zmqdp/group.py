@@ -1,0 +1,566 @@
+"""`EngineGroup`: one trio client for a data-parallel group of N engines.
+
+Theory of operation
+-------------------
+Tasks. `EngineGroup.connect` opens a nursery with the handshake task (it answers HELLOs
+for the life of the group, so rejoins work), the input task (the only one that sends
+on the input ROUTER; it also reads REGISTERs) and **one dispatcher task**, which owns
+the output ROUTER and the watchdog deadline. All decisions are made by the sans-IO
+`GroupCore`; these tasks only move bytes and wake consumers.
+
+The submit path, `EngineGroup.submit`, is synchronous and never blocks:
+
+1. validate the request (and that the group is open);
+2. register it: a live duplicate id raises `DuplicateRequestId` before any reservation;
+3. select a rank and reserve it (pinned: `InvalidRank` if out of range or down);
+4. encode the ADD; an un-encodable body rolls the reservation back (`InvalidRequest`);
+5. queue the ADD for the input task, which sends it;
+6. lockstep groups: after the input task has sent a run of ADDs it sends **one**
+   WAKE(c) to every rank (PROTOCOL.md §5); a send failure there kills the rank, and in
+   a lockstep group that fails the group, so no request is left stranded;
+7. hand out the `RequestStream`.
+
+A send that fails later (unknown peer, or a full queue past `send_timeout`) is reported
+by the input task and declares the rank dead (§6), which ends its requests with
+`EngineDead`; nothing is ever silently dropped.
+
+Streams. The dispatcher appends outputs to a per-request buffer and wakes each consumer
+at most once per drained batch of messages, not once per output: waking a trio task
+costs about ten times the decode of an output. A slow consumer only grows its own
+buffer; the dispatcher never waits for it. Leaving a stream's `async with` early (or
+being cancelled inside it) aborts the request on its own rank; that abort is a
+synchronous queue operation, so it cannot be interrupted and needs no shield.
+
+Failure policy (§6). A dead rank's requests fail with `EngineDead(rank, cause)`. In an
+independent group the rank leaves selection and comes back after a fresh handshake. In
+a lockstep group its peers cannot progress without it: the whole group fails, every
+live stream raises, and every later submit raises `GroupClosed`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import trio
+from trio_util import AsyncValue
+
+from ._core.codec import encode_request
+from ._core.errors import (
+    EngineDead,
+    GroupClosed,
+    InvalidRequest,
+    ProtocolError,
+    RequestAborted,
+    StreamTruncated,
+    ZmqdpError,
+)
+from ._core.group import GroupCore
+from ._core.handshake import identity_rank
+from ._core.messages import Abort, Add, Call, Load, Output, Wake
+from ._core.requests import Ended, Outcome
+from ._transport import DEFAULT_MAX_MESSAGE_SIZE, GroupTransport
+from ._util import single_exception
+
+__all__ = [
+    "EngineGroup",
+    "EngineInfo",
+    "GroupStatistics",
+    "RankState",
+    "RankStatistics",
+    "Request",
+    "RequestStream",
+]
+
+log = logging.getLogger("zmqdp")
+
+
+class RankState(enum.Enum):
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request: `id` unique among live requests, `body` any CBOR-able value
+    (PROTOCOL.md §7), `rank` to pin it (None: least-loaded)."""
+
+    id: str
+    body: Any = None
+    rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    rank: int
+    info: Mapping[str, Any]
+    state: RankState
+
+
+@dataclass(frozen=True, slots=True)
+class RankStatistics:
+    rank: int
+    state: RankState
+    inflight: int
+    load: Load
+    batches: int
+    protocol_errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStatistics:
+    ranks: tuple[RankStatistics, ...]
+    lockstep: bool
+    wave: int | None
+    submitted: int
+    finished: int
+    truncated: int
+    aborted: int
+    failed: int
+    rolled_back: int
+    protocol_errors: int
+    late_outputs: int
+    unknown_outputs: int
+    wakes: int
+    stall_wakes: int
+    fallbacks: int
+    """Safety-timeout firings of the socket adapter; 0 in a healthy process."""
+
+
+class RequestStream:
+    """The outputs of one request. Use as `async with` and iterate it.
+
+    Iteration yields `Output`s in order and stops after the terminal one. It raises
+    `EngineDead`, `GroupClosed`, `StreamTruncated` or `RequestAborted` (after yielding
+    every output that arrived first) if the request ends any other way.
+    """
+
+    def __init__(self, group: EngineGroup, request: Request) -> None:
+        self._group = group
+        self.request_id = request.id
+        self.rank = -1
+        self._buffer: deque[Output] = deque()
+        self._waiter: trio.Event | None = None
+        self._done = False
+        self._error: BaseException | None = None
+        self.outcome: Outcome | None = None
+
+    # -- the dispatcher's side (sync) -------------------------------------------------
+
+    def _push(self, out: Output) -> None:
+        self._buffer.append(out)
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            self._waiter.set()
+            self._waiter = None
+
+    def _end(self, outcome: Outcome, error: BaseException | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.outcome = outcome
+        self._error = error
+        self._wake()
+
+    # -- the consumer's side ----------------------------------------------------------
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving early aborts the request on its rank and frees its slot, once.
+
+        Cancellation: the abort is a synchronous queue operation; it always happens.
+        """
+        if not self._done:
+            self._group._abort_stream(self)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Output:
+        """The next output.
+
+        Cancellation: if cancelled while waiting, no output is lost and the request
+        stays live (leave the `async with` to abort it). When an output is already
+        buffered it is returned without a schedule point, so a fast stream is not
+        slowed down by one trio checkpoint per token.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._buffer:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._waiter = trio.Event()
+            await self._waiter.wait()
+        return self._buffer.popleft()
+
+
+class EngineGroup:
+    """The client of one engine group. Create it with `EngineGroup.connect`."""
+
+    def __init__(self, transport: GroupTransport, core: GroupCore[RequestStream]) -> None:
+        self._transport = transport
+        self._core = core
+        self.lockstep = core.lockstep
+        self.size = core.size
+        self._closed: GroupClosed | None = None
+        self._states = [AsyncValue(RankState.UP) for _ in range(core.size)]
+        self._adds_since_wake = False
+        self._calls: dict[int, tuple[int, trio.Event, list[Any]]] = {}
+        self._call_ids = itertools.count()
+
+    # -- connecting -------------------------------------------------------------------
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        url: str,
+        engines: int,
+        *,
+        ready_timeout: float = 60.0,
+        silence_timeout: float = 30.0,
+        send_timeout: float = 10.0,
+        stall_timeout: float = 5.0,
+        max_decode_errors: int = 3,
+        advertise_host: str | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    ) -> AsyncIterator[EngineGroup]:
+        """Bind the group URL, wait for all `engines` ranks, and serve them.
+
+        Raises `HandshakeTimeout` if the group is not ready in `ready_timeout` s.
+        Leaving the block closes every socket; live streams end with `GroupClosed`.
+
+        Cancellation: cancelled while waiting for the engines, it closes everything
+        and leaves nothing running.
+        """
+        transport = GroupTransport(
+            url,
+            engines,
+            advertise_host=advertise_host,
+            max_message_size=max_message_size,
+            send_timeout=send_timeout,
+        )
+        try:
+            with single_exception():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(transport.serve_handshake, name="zmqdp-handshake")
+                    nursery.start_soon(transport.serve_input, name="zmqdp-input")
+                    with trio.move_on_after(ready_timeout) as waiting:
+                        await transport.wait_ready()
+                    if waiting.cancelled_caught:
+                        raise transport.timeout_error(ready_timeout)
+                    core: GroupCore[RequestStream] = GroupCore(
+                        engines,
+                        lockstep=bool(transport.state.lockstep),
+                        silence_timeout=silence_timeout,
+                        stall_timeout=stall_timeout,
+                        max_decode_errors=max_decode_errors,
+                        wave=transport.state.hello_wave(),
+                    )
+                    group = cls(transport, core)
+                    now = trio.current_time()
+                    for rank in range(engines):
+                        core.rank_up(rank, now)
+                    transport.on_rank_up = group._on_rank_up
+                    transport.on_rejoin = group._on_rejoin
+                    transport.on_send_failure = group._on_send_failure
+                    transport.on_flushed = group._after_flush
+                    nursery.start_soon(group._dispatch, name="zmqdp-dispatcher")
+                    try:
+                        yield group
+                    finally:
+                        group._close(GroupClosed("the engine group was closed"))
+                        nursery.cancel_scope.cancel()
+        finally:
+            transport.close()
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def engines(self) -> tuple[EngineInfo, ...]:
+        """Per rank: READY info and state."""
+        return tuple(
+            EngineInfo(r, self._transport.state.info(r), self._states[r].value)
+            for r in range(self.size)
+        )
+
+    def rank_state(self, rank: int) -> Any:
+        """The rank's state as a trio-util `AsyncValue[RankState]`, to wait on:
+        `await group.rank_state(1).wait_value(RankState.UP)`."""
+        return self._states[rank]
+
+    def submit(self, request: Request) -> RequestStream:
+        """Send a request; return its stream (use it with `async with`).
+
+        Never blocks. Raises `GroupClosed`, `DuplicateRequestId`, `InvalidRank`,
+        `NoEngineAvailable` or `InvalidRequest`, each before anything is sent.
+        """
+        if self._closed is not None:
+            raise GroupClosed(self._closed.cause, request_id=request.id)
+        if type(request.id) is not str or not request.id:
+            raise InvalidRequest(str(request.id), "the id must be a non-empty string")
+        stream = RequestStream(self, request)
+        rank = self._core.submit(request.id, stream, request.rank, trio.current_time())
+        stream.rank = rank
+        try:
+            frames = encode_request(Add(request.id, request.body))
+        except ProtocolError as exc:
+            self._core.rollback(request.id, stream, exc.cause)
+            raise InvalidRequest(request.id, exc.cause) from None
+        self._transport.send(rank, frames)
+        self._adds_since_wake = self.lockstep
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a live request; a no-op for unknown or ended ids (idempotent).
+
+        Cancellation: the abort is queued synchronously before the checkpoint, so it
+        happens even if this call is cancelled.
+        """
+        ended = self._core.abort(request_id)
+        if ended is not None:
+            self._transport.send(ended.rank, encode_request(Abort((request_id,))))
+            ended.handle._end(Outcome.ABORTED, RequestAborted(ended.rank, request_id))
+        await trio.lowlevel.checkpoint()
+
+    async def call(self, rank: int, method: str, *args: Any, timeout: float = 10.0) -> Any:  # noqa: ASYNC109
+        """Run a utility method on one rank and return its result.
+
+        Raises `TimeoutError` if no reply comes within `timeout` s, `EngineDead` if the
+        rank dies first, and `ZmqdpError` carrying the engine's error string.
+
+        Cancellation: the reply, if it comes later, is dropped.
+        """
+        if self._closed is not None:
+            raise GroupClosed(self._closed.cause)
+        if not (0 <= rank < self.size and self._core.health[rank].up):
+            raise EngineDead(rank, f"CALL {method!r}: the rank is not up")
+        call_id = next(self._call_ids)
+        frames = encode_request(Call(call_id, method, tuple(args)))
+        done = trio.Event()
+        box: list[Any] = []
+        self._calls[call_id] = (rank, done, box)
+        try:
+            self._transport.send(rank, frames)
+            with trio.move_on_after(timeout):
+                await done.wait()
+        finally:
+            self._calls.pop(call_id, None)
+        if not box:
+            raise TimeoutError(f"rank {rank}: CALL {method!r} got no reply in {timeout:g} s")
+        kind, value = box[0]
+        if kind == "result":
+            return value
+        if kind == "dead":
+            raise value
+        raise ZmqdpError(f"rank {rank}: CALL {method!r} failed on the engine: {value}")
+
+    def statistics(self) -> GroupStatistics:
+        """A frozen snapshot of per-rank state and the group's counters."""
+        core = self._core
+        c = core.counters
+        t = self._transport.statistics()
+        return GroupStatistics(
+            ranks=tuple(
+                RankStatistics(
+                    rank=r,
+                    state=self._states[r].value,
+                    inflight=core.routing.inflight_count(r),
+                    load=core.routing.load(r),
+                    batches=core.health[r].batches,
+                    protocol_errors=core.health[r].protocol_errors,
+                )
+                for r in range(self.size)
+            ),
+            lockstep=self.lockstep,
+            wave=core.clock.wave if core.clock is not None else None,
+            submitted=c.submitted,
+            finished=c.finished,
+            truncated=c.truncated,
+            aborted=c.aborted,
+            failed=c.failed,
+            rolled_back=c.rolled_back,
+            protocol_errors=c.protocol_errors,
+            late_outputs=c.late_outputs,
+            unknown_outputs=c.unknown_outputs,
+            wakes=c.wakes,
+            stall_wakes=c.stall_wakes,
+            fallbacks=t.handshake.fallbacks + t.input.fallbacks + t.output.fallbacks,
+        )
+
+    @property
+    def closed(self) -> GroupClosed | None:
+        """Why the group is closed or failed, or None while it serves."""
+        return self._closed
+
+    # -- internals: streams -----------------------------------------------------------
+
+    def _abort_stream(self, stream: RequestStream) -> None:
+        ended = self._core.abort(stream.request_id, stream)
+        if ended is not None:
+            stream._end(Outcome.ABORTED)
+            if self._closed is None:
+                self._transport.send(ended.rank, encode_request(Abort((stream.request_id,))))
+
+    def _end_stream(self, ended: Ended[RequestStream]) -> None:
+        stream = ended.handle
+        if ended.outcome is Outcome.FINISHED:
+            stream._end(Outcome.FINISHED)
+        elif ended.outcome is Outcome.TRUNCATED:
+            stream._end(Outcome.TRUNCATED, StreamTruncated(ended.rank, ended.request_id))
+        else:  # FAILED: the rank died
+            stream._end(
+                ended.outcome, EngineDead(ended.rank, ended.cause or "dead", ended.request_id)
+            )
+
+    # -- internals: the dispatcher ----------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        zs = self._transport.output
+        core = self._core
+        while True:
+            # Re-evaluate at least once a second: a submit can give an idle rank a
+            # deadline while this task is parked.
+            deadline = min(core.next_deadline(), trio.current_time() + 1.0)
+            with trio.move_on_at(deadline) as timer:
+                messages = await zs.receive_batch(256)
+            if timer.cancelled_caught:
+                self._on_timeout(trio.current_time())
+                continue
+            self._on_messages(messages, trio.current_time())
+
+    def _on_messages(self, messages: list[list[bytes]], now: float) -> None:
+        core = self._core
+        dirty: set[RequestStream] = set()
+        for frames in messages:
+            rank = identity_rank(frames[0]) if frames else None
+            if rank is None or rank >= self.size or len(frames) != 2:
+                core.counters.protocol_errors += 1
+                log.warning(
+                    "output: dropped a message of %d frames from identity %s",
+                    len(frames),
+                    frames[0].hex() if frames else "?",
+                )
+                continue
+            result = core.on_batch(rank, frames[1], now)
+            fx = result.effects
+            if fx is not None:
+                for stream, out in fx.deliveries:
+                    stream._push(out)
+                    dirty.add(stream)
+                for ended in fx.ended:
+                    self._end_stream(ended)
+            if result.wake is not None:
+                self._wake_all(result.wake)
+            for reply in result.replies:
+                pending = self._calls.get(reply.call)
+                if pending is not None and pending[0] == rank:
+                    _, done, box = pending
+                    box.append(
+                        ("error", reply.error)
+                        if reply.error is not None
+                        else ("result", reply.result)
+                    )
+                    done.set()
+            if result.error is not None:
+                log.warning("%s", result.error)
+            if result.dead is not None:
+                self._rank_dead(rank, result.dead)
+        for stream in dirty:
+            stream._wake()
+
+    def _on_timeout(self, now: float) -> None:
+        dead, wake = self._core.on_timeout(now)
+        if wake is not None:
+            log.warning(
+                "lockstep group: a rank has waiting work and no progress; WAKE(%d) again", wake
+            )
+            self._wake_all(wake)
+        for rank, cause in dead:
+            self._rank_dead(rank, cause)
+
+    def _wake_all(self, wave: int) -> None:
+        frames = encode_request(Wake(wave))
+        for rank in range(self.size):
+            if self._core.health[rank].up:
+                self._transport.send(rank, frames)
+
+    def _after_flush(self) -> None:
+        """Called by the input task after it sent a run of messages."""
+        if self._adds_since_wake:
+            self._adds_since_wake = False
+            wave = self._core.wake_after_adds()
+            if wave is not None:
+                self._wake_all(wave)
+
+    # -- internals: rank lifecycle ----------------------------------------------------
+
+    def _on_rank_up(self, rank: int) -> None:
+        if self._closed is not None:
+            return
+        self._core.rank_up(rank, trio.current_time())
+        self._states[rank].value = RankState.UP
+        log.info("rank %d: up again", rank)
+
+    def _on_rejoin(self, rank: int) -> None:
+        self._rank_dead(
+            rank, "said HELLO again (rejoin): its previous incarnation is dead", rejoin=True
+        )
+
+    def _on_send_failure(self, rank: int, cause: str) -> None:
+        self._rank_dead(rank, cause)
+
+    def _rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
+        if not self._core.health[rank].up:
+            return
+        log.error("rank %d: dead: %s", rank, cause)
+        self._states[rank].value = RankState.DOWN
+        if not rejoin:
+            self._transport.state.forget(rank)
+        for call_id, (call_rank, done, box) in list(self._calls.items()):
+            if call_rank == rank:
+                box.append(("dead", EngineDead(rank, cause)))
+                done.set()
+                del self._calls[call_id]
+        if self.lockstep:
+            dead = EngineDead(rank, cause)
+            self._close(
+                GroupClosed(f"the lockstep group failed: {dead}"), dead_rank=rank, dead_cause=cause
+            )
+            return
+        for ended in self._core.rank_dead(rank, cause):
+            self._end_stream(ended)
+
+    def _close(
+        self, reason: GroupClosed, *, dead_rank: int | None = None, dead_cause: str = ""
+    ) -> None:
+        if self._closed is not None:
+            return
+        self._closed = reason
+        for ended in self._core.fail_all(reason.cause):
+            if ended.rank == dead_rank:
+                error: BaseException = EngineDead(ended.rank, dead_cause, ended.request_id)
+            else:
+                error = GroupClosed(reason.cause, request_id=ended.request_id)
+            ended.handle._end(Outcome.FAILED, error)
+        for rank in range(self.size):
+            self._states[rank].value = RankState.DOWN
+        for _, done, box in self._calls.values():
+            box.append(("dead", GroupClosed(reason.cause)))
+            done.set()
