@@ -30,8 +30,9 @@ from zmqdp import (
     StreamTruncated,
 )
 from zmqdp.engine import Abort, Add, Wake
+from zmqdp.mock import MockConfig, run_mock_group
 
-from .engines import Collective, LockstepRank, ScriptedEngine, start_engines
+from .engines import ScriptedEngine, start_engines
 
 TIMEOUT = 20
 
@@ -410,24 +411,29 @@ async def test_undecodable_bytes_on_the_output_socket_are_counted(tmp_path: Path
 
 @pytest.mark.parametrize("self_wake", [False, True], ids=["waits-for-wake", "self-wake"])
 async def test_lockstep_sequential_pattern_never_hangs(tmp_path: Path, self_wake: bool) -> None:
-    """Submit, run to finish, let the group park, submit again: 50 times."""
+    """Submit, run to finish, let the group park, submit again: 50 times, against the
+    in-process lockstep mock (ranks block in a per-step collective, no wave agreement)."""
     url = f"ipc://{tmp_path}/g"
+    cfg = MockConfig(
+        engines=2,
+        lockstep=True,
+        step_time=0.0005,
+        sync_interval=2,
+        self_wake=self_wake,
+        wave_agreement=False,
+    )
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            collective = Collective(2)
-            ranks = [LockstepRank(url, r, collective, self_wake=self_wake) for r in range(2)]
-            for r in ranks:
-                nursery.start_soon(r.run)
+            nursery.start_soon(run_mock_group, url, cfg)
             async with EngineGroup.connect(url, 2, ready_timeout=TIMEOUT) as group:
                 for i in range(50):
-                    outs = await collect(group, Request(f"r{i}", {"tokens": 1 + i % 3}))
+                    parked_at = group.wave.value
+                    outs = await collect(group, Request(f"r{i}", {"max_tokens": 1 + i % 3}))
                     assert outs[-1].finish == "length"
-                    for r in ranks:  # let the whole group park before the next submit
-                        await r.parked.wait()
-                    assert len({r.wave for r in ranks}) == 1
+                    await group.wave.wait_value(lambda w, p=parked_at: w > p)  # parked again
                 stats = group.statistics()
                 assert stats.finished == 50 and stats.stall_wakes == 0
-                assert min(r.parks for r in ranks) >= 50
+                assert stats.wave is not None and stats.wave >= 50
             nursery.cancel_scope.cancel()
 
 

@@ -220,6 +220,7 @@ class EngineGroup:
         self.size = core.size
         self._closed: GroupClosed | None = None
         self._states = [AsyncValue(RankState.UP) for _ in range(core.size)]
+        self._wave = AsyncValue(core.clock.wave if core.clock is not None else None)
         self._adds_since_wake = False
         self._calls: dict[int, tuple[int, trio.Event, list[Any]]] = {}
         self._call_ids = itertools.count()
@@ -304,6 +305,13 @@ class EngineGroup:
         """The rank's state as a trio-util `AsyncValue[RankState]`, to wait on:
         `await group.rank_state(1).wait_value(RankState.UP)`."""
         return self._states[rank]
+
+    @property
+    def wave(self) -> Any:
+        """Lockstep groups: the wave clock as a trio-util `AsyncValue[int]` (None for
+        independent groups). It moves when a rank reports `wave_complete` (the group
+        parked) or `start_wave`: `await group.wave.wait_value(lambda w: w > seen)`."""
+        return self._wave
 
     def submit(self, request: Request) -> RequestStream:
         """Send a request; return its stream (use it with `async with`).
@@ -484,6 +492,9 @@ class EngineGroup:
                 self._rank_dead(rank, result.dead)
         for stream in dirty:
             stream._wake()
+        clock = core.clock
+        if clock is not None and clock.wave != self._wave.value:
+            self._wave.value = clock.wave
 
     def _on_timeout(self, now: float) -> None:
         dead, wake = self._core.on_timeout(now)

@@ -1,0 +1,274 @@
+"""`python -m zmqdp demo`: stream a workload through a mock engine group and report.
+
+It starts `python -m zmqdp mock` in a subprocess on a private ipc path, connects an
+`EngineGroup`, streams a mixed workload with a live progress bar, and prints a summary:
+throughput, time to first token and total latency (p50/p99), requests and peak
+in-flight load per rank, and errors. It exits 0 only if every request completed, or
+failed exactly as the injected fault predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from . import EngineDead, EngineGroup, GroupClosed, HandshakeTimeout, Request, ZmqdpError
+
+FAULTS = ("dead", "silent", "garbage", "rejoin", "bad_hello")
+
+
+@dataclass
+class Result:
+    id: str
+    rank: int = -1
+    submitted: float = 0.0
+    first: float | None = None
+    done: float | None = None
+    tokens: int = 0
+    error: BaseException | None = None
+
+
+@dataclass
+class Run:
+    results: list[Result] = field(default_factory=list)
+    inflight: Counter[int] = field(default_factory=Counter)
+    peak: Counter[int] = field(default_factory=Counter)
+    per_rank: Counter[int] = field(default_factory=Counter)
+    started: float = 0.0
+    ended: float = 0.0
+    connect_error: BaseException | None = None
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--engines", type=int, default=2, help="ranks in the group (2)")
+    parser.add_argument("--lockstep", action="store_true", help="a lockstep (MoE-style) group")
+    parser.add_argument("--requests", type=int, default=200, help="requests to send (200)")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight (32)")
+    parser.add_argument("--min-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--step-time", type=float, default=0.02, help="engine step, s (0.02)")
+    parser.add_argument("--slow-rank", type=int, default=None, help="make this rank slower")
+    parser.add_argument("--slow-factor", type=float, default=3.0)
+    parser.add_argument("--fault", choices=FAULTS, default=None, help="inject a fault")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-after", type=int, default=40, help="outputs before the fault")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    return parser
+
+
+def _mock_command(args: argparse.Namespace, url: str) -> list[str]:
+    cmd = [sys.executable, "-m", "zmqdp", "mock", "--url", url, "--engines", str(args.engines)]
+    cmd += ["--step-time", str(args.step_time)]
+    if args.lockstep:
+        cmd.append("--lockstep")
+    if args.slow_rank is not None:
+        cmd += ["--fault", f"{args.slow_rank}:slow={args.slow_factor}"]
+    if args.fault == "bad_hello":
+        cmd += ["--fault", f"{args.fault_rank}:bad_hello=size"]
+    elif args.fault == "garbage":  # enough in a row to reach max_decode_errors (3)
+        cmd += ["--fault", f"{args.fault_rank}:garbage=3"]
+    elif args.fault is not None:
+        cmd += ["--fault", f"{args.fault_rank}:{args.fault}={args.fault_after}"]
+    return cmd
+
+
+async def _workload(group: EngineGroup, args: argparse.Namespace, run: Run, progress: Any) -> None:
+    rng = random.Random(args.seed)
+    limiter = trio.CapacityLimiter(args.concurrency)
+    task = progress.add_task("requests", total=args.requests) if progress else None
+
+    async def one(i: int) -> None:
+        result = Result(f"req-{i}")
+        run.results.append(result)
+        body = {
+            "prompt": [rng.randrange(32000) for _ in range(rng.randint(4, 64))],
+            "max_tokens": rng.randint(args.min_tokens, args.max_tokens),
+        }
+        async with limiter:
+            result.submitted = trio.current_time()
+            try:
+                stream = group.submit(Request(result.id, body))
+            except ZmqdpError as exc:
+                result.error = exc
+            else:
+                result.rank = stream.rank
+                run.inflight[stream.rank] += 1
+                run.per_rank[stream.rank] += 1
+                run.peak[stream.rank] = max(run.peak[stream.rank], run.inflight[stream.rank])
+                try:
+                    async with stream:
+                        async for _ in stream:
+                            if result.first is None:
+                                result.first = trio.current_time()
+                            result.tokens += 1
+                    result.done = trio.current_time()
+                except ZmqdpError as exc:
+                    result.error = exc
+                finally:
+                    run.inflight[stream.rank] -= 1
+        if progress:
+            progress.advance(task)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(args.requests):
+            nursery.start_soon(one, i)
+
+
+async def run_demo(args: argparse.Namespace, console: Any = None) -> Run:
+    directory = tempfile.mkdtemp(prefix="zmqdp-demo-")  # mode 0700
+    url = f"ipc://{directory}/group"
+    run = Run()
+    proc = await trio.lowlevel.open_process(
+        _mock_command(args, url), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        silence = 2.0 if args.fault == "silent" else 30.0
+        ready = 5.0 if args.fault == "bad_hello" else 60.0
+        try:
+            async with EngineGroup.connect(
+                url, args.engines, ready_timeout=ready, silence_timeout=silence
+            ) as group:
+                run.started = trio.current_time()
+                if console is not None and not args.no_progress:
+                    from rich.progress import (
+                        BarColumn,
+                        MofNCompleteColumn,
+                        Progress,
+                        TimeElapsedColumn,
+                    )
+
+                    with Progress(
+                        "[progress.description]{task.description}",
+                        BarColumn(),
+                        MofNCompleteColumn(),
+                        TimeElapsedColumn(),
+                        console=console,
+                    ) as progress:
+                        await _workload(group, args, run, progress)
+                else:
+                    await _workload(group, args, run, None)
+                run.ended = trio.current_time()
+        except HandshakeTimeout as exc:
+            run.connect_error = exc
+    finally:
+        proc.terminate()
+        with trio.move_on_after(5) as waiting:
+            await proc.wait()
+        if waiting.cancelled_caught:
+            proc.kill()
+            await proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+    return run
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def verdict(args: argparse.Namespace, run: Run) -> tuple[bool, str]:
+    """Did every request complete, or fail exactly as the injected fault predicts?"""
+    if args.fault == "bad_hello":
+        err = run.connect_error
+        ok = isinstance(err, HandshakeTimeout) and any("size" in r for r in err.rejected)
+        return ok, "the group never formed: the bad HELLO was rejected" if ok else f"{err!r}"
+    if run.connect_error is not None:
+        return False, f"could not connect: {run.connect_error}"
+    failed = [r for r in run.results if r.error is not None]
+    if args.fault is None:
+        return not failed, "every request completed" if not failed else f"{len(failed)} failed"
+    for r in failed:
+        err = r.error
+        expected = isinstance(err, EngineDead) and err.rank == args.fault_rank
+        if args.lockstep:
+            expected = expected or isinstance(err, GroupClosed)
+        if not expected:
+            return False, f"{r.id} failed unexpectedly: {err!r}"
+    if not failed:
+        return False, f"the injected fault ({args.fault}) caused no failure"
+    what = f"EngineDead on rank {args.fault_rank}" + (" or GroupClosed" if args.lockstep else "")
+    return True, (
+        f"{len(failed)} failed as the fault predicts ({what}), "
+        f"{len(run.results) - len(failed)} completed"
+    )
+
+
+def report(args: argparse.Namespace, run: Run, console: Any) -> bool:
+    from rich.table import Table
+
+    ok, why = verdict(args, run)
+    if run.connect_error is not None:
+        console.print(f"[bold]connect:[/bold] {run.connect_error}")
+        console.print(f"[bold {'green' if ok else 'red'}]{'OK' if ok else 'FAILED'}[/]: {why}")
+        return ok
+    done = [r for r in run.results if r.error is None]
+    elapsed = max(run.ended - run.started, 1e-9)
+    tokens = sum(r.tokens for r in run.results)
+    ttft = [r.first - r.submitted for r in done if r.first is not None]
+    total = [r.done - r.submitted for r in done if r.done is not None]
+    summary = Table(title="zmqdp demo", show_header=False)
+    summary.add_row(
+        "group",
+        f"{args.engines} engines, {'lockstep' if args.lockstep else 'independent'}"
+        + (f", fault {args.fault} on rank {args.fault_rank}" if args.fault else "")
+        + (
+            f", rank {args.slow_rank} x{args.slow_factor:g} slower"
+            if args.slow_rank is not None
+            else ""
+        ),
+    )
+    summary.add_row("requests", f"{len(done)} completed, {len(run.results) - len(done)} failed")
+    summary.add_row("wall time", f"{elapsed:.2f} s")
+    summary.add_row("requests/s", f"{len(done) / elapsed:.1f}")
+    summary.add_row("tokens/s", f"{tokens / elapsed:,.0f}")
+    summary.add_row(
+        "TTFT p50 / p99", f"{_pct(ttft, 0.5) * 1e3:.1f} / {_pct(ttft, 0.99) * 1e3:.1f} ms"
+    )
+    summary.add_row(
+        "latency p50 / p99", f"{_pct(total, 0.5) * 1e3:.0f} / {_pct(total, 0.99) * 1e3:.0f} ms"
+    )
+    console.print(summary)
+    ranks = Table(title="per rank")
+    for col in ("rank", "requests", "tokens", "peak in flight"):
+        ranks.add_column(col, justify="right")
+    for rank in range(args.engines):
+        toks = sum(r.tokens for r in run.results if r.rank == rank)
+        ranks.add_row(str(rank), str(run.per_rank[rank]), f"{toks:,}", str(run.peak[rank]))
+    console.print(ranks)
+    errors = Counter(f"{type(r.error).__name__}: {r.error}" for r in run.results if r.error)
+    if errors:
+        table = Table(title="errors")
+        table.add_column("count", justify="right")
+        table.add_column("error")
+        for text, count in errors.most_common(8):
+            table.add_row(str(count), text[:110])
+        console.print(table)
+    console.print(f"[bold {'green' if ok else 'red'}]{'OK' if ok else 'FAILED'}[/]: {why}")
+    return ok
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        from rich.console import Console
+    except ImportError:  # pragma: no cover
+        print("the demo needs rich: pip install 'zmqdp[demo]'", file=sys.stderr)
+        return 2
+    console = Console()
+    start = time.perf_counter()
+    run = trio.run(run_demo, args, console)
+    ok = report(args, run, console)
+    console.print(f"[dim]demo finished in {time.perf_counter() - start:.1f} s[/dim]")
+    return 0 if ok else 1

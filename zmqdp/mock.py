@@ -1,0 +1,390 @@
+"""A mock engine group: N ranks in one process, built on `zmqdp.engine`.
+
+Run it as `python -m zmqdp mock --url URL --engines N [--lockstep] ...`, or embed it with
+`run_mock_group(url, MockConfig(...))`.
+
+Theory of operation
+-------------------
+Each rank streams tokens: an ADD body ``{"prompt": [int, ...], "max_tokens": k}`` queues
+a request; each step every running request emits one token and the last one has finish
+``"length"``. At most `max_num_seqs` requests run at once; the rest wait. Every batch
+carries `load` (waiting, running, kv) and `seq`. Step time is per rank, so speeds can
+differ, and a rank holding requests sends a batch at least once a second.
+
+Lockstep mode follows PROTOCOL.md §5 and vLLM's DP engines (vllm_dp.md §3):
+
+* every running rank takes part in a collective on **every** step (idle ranks run dummy
+  steps), through an in-process barrier; a rank running while its peers are parked
+  blocks in that barrier, exactly as a real lost wake does;
+* the inbox is handled only between steps;
+* at step 1 and every `sync_interval` steps the ranks decide together whether any has
+  work; if none has, every rank sends `wave_complete: wave`, bumps `wave`, parks;
+  with `wave_agreement` (the spec's SHOULD) they first adopt the highest wave;
+* WAKE(w) with w >= wave sets wave = w and runs; a stale WAKE is ignored;
+* an ADD while parked always sends `start_wave: wave`; with `self_wake` the rank also
+  starts running at once (vLLM's behaviour), otherwise it waits for the WAKE.
+
+Faults are injected per rank (`RankFaults`): announce `dead`, go silent, send garbage
+bodies, rejoin (a new incarnation that says HELLO again) after k outputs, run slower,
+or say a wrong field in HELLO. CALL methods: `ping`, `info`, `echo`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import trio
+
+from ._core.errors import HandshakeRejected
+from .engine import (
+    Abort,
+    Add,
+    Call,
+    Engine,
+    Load,
+    Output,
+    OutputBatch,
+    Reply,
+    Resync,
+    Wake,
+    connect_engine,
+)
+
+__all__ = ["MockConfig", "RankFaults", "run_mock_group"]
+
+log = logging.getLogger("zmqdp.mock")
+
+
+@dataclass(frozen=True)
+class RankFaults:
+    """Faults of one rank; counts are in outputs this rank has emitted."""
+
+    dead_after: int | None = None
+    silent_after: int | None = None
+    garbage: int = 0  # undecodable bodies sent once the rank first has work
+    rejoin_after: int | None = None
+    slow: float = 1.0  # step time multiplier
+    bad_hello: str | None = None  # "size" | "lockstep": say it wrong in HELLO
+
+
+@dataclass(frozen=True)
+class MockConfig:
+    engines: int = 2
+    lockstep: bool = False
+    step_time: float = 0.01
+    max_num_seqs: int = 16
+    kv_tokens: int = 65536  # KV capacity per rank, for the `kv` load figure
+    sync_interval: int = 4
+    self_wake: bool = False
+    wave_agreement: bool = True
+    skew: float = 0.0  # rank r handles each inbound message r * skew seconds late
+    faults: dict[int, RankFaults] = field(default_factory=dict)
+
+
+@dataclass
+class _Seq:
+    id: str
+    left: int
+    tokens: int
+    prompt: int
+
+
+class _Collective:
+    """One barrier per step for the lockstep ranks: returns (any rank has work, highest
+    wave) once every rank has arrived."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._arrived = 0
+        self._any = False
+        self._wave = 0
+        self._done = trio.Event()
+        self._result = (False, 0)
+
+    async def exchange(self, has_work: bool, wave: int) -> tuple[bool, int]:
+        done = self._done
+        self._arrived += 1
+        self._any |= has_work
+        self._wave = max(self._wave, wave)
+        if self._arrived == self.n:
+            self._result = (self._any, self._wave)
+            self._arrived, self._any, self._wave = 0, False, 0
+            self._done = trio.Event()
+            done.set()
+            await trio.lowlevel.checkpoint()
+        else:
+            await done.wait()
+        return self._result
+
+
+class MockRank:
+    """One rank. `run()` connects, serves until cancelled, and rejoins on demand."""
+
+    def __init__(
+        self, url: str, rank: int, cfg: MockConfig, collective: _Collective | None
+    ) -> None:
+        self.url = url
+        self.rank = rank
+        self.cfg = cfg
+        self.faults = cfg.faults.get(rank, RankFaults())
+        self.collective = collective
+        self.step_time = cfg.step_time * self.faults.slow
+        self.delay = rank * cfg.skew
+        self.delayed: deque[tuple[float, Any]] = deque()
+        self.up = trio.Event()
+        self.wave = 0
+        self.running = False
+        self.emitted = 0
+        self.incarnation = 0
+        self.counter = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.active: list[_Seq] = []
+        self.queue: deque[_Seq] = deque()
+        self.finished: list[str] = []
+        self.replies: list[Reply] = []
+        self.pending_start: int | None = None
+        self.garbage_left = self.faults.garbage
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            self.incarnation += 1
+            size, lockstep = self.cfg.engines, self.cfg.lockstep
+            if self.faults.bad_hello == "size":
+                size += 1
+            elif self.faults.bad_hello == "lockstep":
+                lockstep = not lockstep
+            try:
+                async with connect_engine(
+                    self.url,
+                    rank=self.rank,
+                    size=size,
+                    lockstep=lockstep,
+                    wave=self.wave,
+                    info=self._info(),
+                ) as eng:
+                    self.up.set()
+                    rejoin = await self._serve(eng)
+            except HandshakeRejected as exc:
+                log.error("rank %d: %s", self.rank, exc)
+                self.up.set()
+                return
+            if not rejoin:
+                return
+            log.warning("rank %d: rejoining (fault injection)", self.rank)
+            self._reset()
+            self.running = False
+
+    def _info(self) -> dict[str, Any]:
+        return {
+            "engine": "zmqdp-mock",
+            "rank": self.rank,
+            "max_num_seqs": self.cfg.max_num_seqs,
+            "kv_tokens": self.cfg.kv_tokens,
+            "lockstep": self.cfg.lockstep,
+            "step_time": self.step_time,
+        }
+
+    # -- serving ----------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self.active or self.queue)
+
+    async def _serve(self, eng: Engine) -> bool:
+        """Serve one incarnation. Returns True to rejoin."""
+        self.delayed.clear()
+        while True:
+            self._take_inbox(eng)  # the inbox is handled only between steps
+            await self._flush_control(eng)
+            idle = not self.running if self.collective is not None else not self._has_work()
+            if idle:
+                await self._wait_for_input(eng)
+                continue
+            await self._sleep_step(eng)
+            if await self._step(eng):
+                return True
+            if self.collective is not None:
+                self.counter += 1
+                any_work, top = await self.collective.exchange(self._has_work(), self.wave)
+                if self.counter == 1 or self.counter % self.cfg.sync_interval == 0:
+                    if self.cfg.wave_agreement:
+                        self.wave = top
+                    if not any_work:
+                        await self._send(eng, OutputBatch(self.rank, wave_complete=self.wave))
+                        self.wave += 1
+                        self.running = False
+
+    def _take_inbox(self, eng: Engine) -> None:
+        """Handle every inbound message that is due; with skew, later ones wait."""
+        now = trio.current_time()
+        while True:
+            try:
+                self.delayed.append((now + self.delay, eng.receive_nowait()))
+            except trio.WouldBlock:
+                break
+        while self.delayed and self.delayed[0][0] <= now:
+            self._handle(self.delayed.popleft()[1])
+
+    async def _wait_for_input(self, eng: Engine) -> None:
+        if self.delayed:
+            await trio.sleep_until(self.delayed[0][0])
+        else:
+            msg = await eng.receive()
+            self.delayed.append((trio.current_time() + self.delay, msg))
+
+    async def _sleep_step(self, eng: Engine) -> None:
+        left = self.step_time
+        while left > 1.0:  # a slow rank still says something once a second
+            await trio.sleep(1.0)
+            left -= 1.0
+            await self._send(eng, OutputBatch(self.rank, load=self._load()))
+        await trio.sleep(left)
+
+    def _handle(self, msg: Any) -> None:
+        """Apply one inbound message (replies and start_wave go out in the next flush)."""
+        if isinstance(msg, Add):
+            body = msg.body if isinstance(msg.body, dict) else {}
+            prompt = body.get("prompt", [])
+            tokens = int(body.get("max_tokens", 16))
+            self.queue.append(
+                _Seq(msg.id, tokens, 0, len(prompt) if isinstance(prompt, list) else 0)
+            )
+            if self.collective is not None and not self.running:
+                self.pending_start = self.wave
+                if self.cfg.self_wake:
+                    self._start_running()
+        elif isinstance(msg, Wake):
+            if self.collective is not None and msg.wave >= self.wave:
+                self.wave = msg.wave
+                if not self.running:
+                    self._start_running()
+        elif isinstance(msg, Abort):
+            for rid in msg.ids:
+                for seqs in (self.active, self.queue):
+                    for s in list(seqs):
+                        if s.id == rid:
+                            seqs.remove(s)
+                            self.finished.append(rid)
+        elif isinstance(msg, Call):
+            self.replies.append(self._call(msg))
+        elif isinstance(msg, Resync):
+            self._reset()
+
+    def _start_running(self) -> None:
+        self.running = True
+        self.counter = 0
+
+    def _call(self, msg: Call) -> Reply:
+        if msg.method == "ping":
+            return Reply(msg.call, result="pong")
+        if msg.method == "info":
+            return Reply(msg.call, result={**self._info(), "wave": self.wave})
+        if msg.method == "echo":
+            return Reply(msg.call, result=list(msg.args))
+        return Reply(msg.call, error=f"unknown method {msg.method!r}")
+
+    def _load(self) -> Load:
+        used = sum(s.prompt + s.tokens for s in self.active)
+        return Load(
+            waiting=len(self.queue),
+            running=len(self.active),
+            kv=min(1.0, used / self.cfg.kv_tokens),
+        )
+
+    async def _send(self, eng: Engine, batch: OutputBatch) -> None:
+        f = self.faults
+        if f.silent_after is not None and self.emitted >= f.silent_after:
+            return
+        await eng.send(batch)
+
+    async def _flush_control(self, eng: Engine) -> None:
+        """Send what the inbox produced: start_wave, finished, replies."""
+        if self.pending_start is None and not self.finished and not self.replies:
+            return
+        batch = OutputBatch(
+            self.rank,
+            finished=tuple(self.finished),
+            replies=tuple(self.replies),
+            start_wave=self.pending_start,
+            load=self._load(),
+        )
+        self.finished, self.replies, self.pending_start = [], [], None
+        await self._send(eng, batch)
+
+    async def _step(self, eng: Engine) -> bool:
+        """One step: admit waiting requests, emit one token each. True to rejoin."""
+        while self.queue and len(self.active) < self.cfg.max_num_seqs:
+            self.active.append(self.queue.popleft())
+        if not self.active:
+            return False  # a dummy step (lockstep) or nothing to do
+        f = self.faults
+        while self.garbage_left:  # k undecodable bodies in a row
+            self.garbage_left -= 1
+            await eng._out_send.send([b"\xff not cbor"])
+        outputs = []
+        for s in list(self.active):
+            s.left -= 1
+            s.tokens += 1
+            done = s.left <= 0
+            outputs.append(Output(s.id, {"token": 1000 + s.tokens}, "length" if done else None))
+            if done:
+                self.active.remove(s)
+        self.emitted += len(outputs)
+        dead = None
+        if f.dead_after is not None and self.emitted >= f.dead_after:
+            dead = "injected fault: dead_after"
+        await self._send(
+            eng, OutputBatch(self.rank, outputs=tuple(outputs), load=self._load(), dead=dead)
+        )
+        if dead is not None:
+            await trio.sleep_forever()
+        return bool(
+            f.rejoin_after is not None and self.emitted >= f.rejoin_after * self.incarnation
+        )
+
+
+async def run_mock_group(
+    url: str, cfg: MockConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the group until cancelled. `task_status.started()` once every rank is up."""
+    collective = _Collective(cfg.engines) if cfg.lockstep else None
+    ranks = [MockRank(url, r, cfg, collective) for r in range(cfg.engines)]
+    async with trio.open_nursery() as nursery:
+        for rank in ranks:
+            nursery.start_soon(rank.run, name=f"zmqdp-mock-rank{rank.rank}")
+        for rank in ranks:
+            await rank.up.wait()
+        task_status.started()
+
+
+def parse_fault(text: str) -> tuple[int, RankFaults]:
+    """`RANK:KIND[=N]`, e.g. `1:dead=20`, `0:slow=3`, `1:bad_hello=size`."""
+    rank_text, _, rest = text.partition(":")
+    kind, _, value = rest.partition("=")
+    rank = int(rank_text)
+    kinds: dict[str, Any] = {
+        "dead": lambda v: RankFaults(dead_after=int(v or 10)),
+        "silent": lambda v: RankFaults(silent_after=int(v or 10)),
+        "garbage": lambda v: RankFaults(garbage=int(v or 3)),
+        "rejoin": lambda v: RankFaults(rejoin_after=int(v or 10)),
+        "slow": lambda v: RankFaults(slow=float(v or 3)),
+        "bad_hello": lambda v: RankFaults(bad_hello=v or "size"),
+    }
+    if kind not in kinds:
+        raise ValueError(f"unknown fault {kind!r}; one of {', '.join(kinds)}")
+    return rank, kinds[kind](value)
+
+
+def merge_faults(items: list[tuple[int, RankFaults]]) -> dict[int, RankFaults]:
+    out: dict[int, RankFaults] = {}
+    for rank, f in items:
+        base = out.get(rank, RankFaults())
+        changes = {k: v for k, v in vars(f).items() if v != getattr(RankFaults(), k)}
+        out[rank] = replace(base, **changes)
+    return out
