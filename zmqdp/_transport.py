@@ -102,6 +102,7 @@ class GroupTransport:
         self.on_send_failure: Callable[[int, str], None] = _noop
         self.on_flushed: Callable[[], None] = _noop  # after the input task sent a run
         self._blocked_since: float | None = None
+        self.nursery: trio.Nursery | None = None  # set by open_group_transport
 
     def _router(self, address: str, max_message_size: int, safety: float) -> ZSocket:
         sock = self.context.socket(zmq.ROUTER)
@@ -330,8 +331,9 @@ async def open_group_transport(
 ) -> AsyncIterator[GroupTransport]:
     """Bind the group's sockets, wait for all `engines` ranks, yield the transport.
 
-    The handshake and input tasks keep running inside the block (rejoins). Leaving the
-    block closes everything.
+    The handshake and input tasks keep running inside the block (rejoins), in the
+    nursery `transport.nursery`, where callers may start their own tasks (the client's
+    dispatcher). Leaving the block cancels them and closes everything.
 
     Cancellation: if cancelled while waiting for the ranks, the sockets are closed and
     nothing is left running.
@@ -346,6 +348,7 @@ async def open_group_transport(
     try:
         with single_exception():
             async with trio.open_nursery() as nursery:
+                transport.nursery = nursery
                 nursery.start_soon(transport.serve_handshake, name="zmqdp-handshake")
                 nursery.start_soon(transport.serve_input, name="zmqdp-input")
                 with trio.move_on_after(ready_timeout) as waiting:

@@ -66,8 +66,7 @@ from ._core.group import GroupCore
 from ._core.handshake import identity_rank
 from ._core.messages import Abort, Add, Call, Load, Output, Wake
 from ._core.requests import Ended, Outcome
-from ._transport import DEFAULT_MAX_MESSAGE_SIZE, GroupTransport
-from ._util import single_exception
+from ._transport import DEFAULT_MAX_MESSAGE_SIZE, GroupTransport, open_group_transport
 
 __all__ = [
     "EngineGroup",
@@ -250,46 +249,36 @@ class EngineGroup:
         Cancellation: cancelled while waiting for the engines, it closes everything
         and leaves nothing running.
         """
-        transport = GroupTransport(
+        async with open_group_transport(
             url,
             engines,
+            ready_timeout=ready_timeout,
             advertise_host=advertise_host,
             max_message_size=max_message_size,
             send_timeout=send_timeout,
-        )
-        try:
-            with single_exception():
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(transport.serve_handshake, name="zmqdp-handshake")
-                    nursery.start_soon(transport.serve_input, name="zmqdp-input")
-                    with trio.move_on_after(ready_timeout) as waiting:
-                        await transport.wait_ready()
-                    if waiting.cancelled_caught:
-                        raise transport.timeout_error(ready_timeout)
-                    core: GroupCore[RequestStream] = GroupCore(
-                        engines,
-                        lockstep=bool(transport.state.lockstep),
-                        silence_timeout=silence_timeout,
-                        stall_timeout=stall_timeout,
-                        max_decode_errors=max_decode_errors,
-                        wave=transport.state.hello_wave(),
-                    )
-                    group = cls(transport, core)
-                    now = trio.current_time()
-                    for rank in range(engines):
-                        core.rank_up(rank, now)
-                    transport.on_rank_up = group._on_rank_up
-                    transport.on_rejoin = group._on_rejoin
-                    transport.on_send_failure = group._on_send_failure
-                    transport.on_flushed = group._after_flush
-                    nursery.start_soon(group._dispatch, name="zmqdp-dispatcher")
-                    try:
-                        yield group
-                    finally:
-                        group._close(GroupClosed("the engine group was closed"))
-                        nursery.cancel_scope.cancel()
-        finally:
-            transport.close()
+        ) as transport:
+            core: GroupCore[RequestStream] = GroupCore(
+                engines,
+                lockstep=bool(transport.state.lockstep),
+                silence_timeout=silence_timeout,
+                stall_timeout=stall_timeout,
+                max_decode_errors=max_decode_errors,
+                wave=transport.state.hello_wave(),
+            )
+            group = cls(transport, core)
+            now = trio.current_time()
+            for rank in range(engines):
+                core.rank_up(rank, now)
+            transport.on_rank_up = group._on_rank_up
+            transport.on_rejoin = group._on_rejoin
+            transport.on_send_failure = group._on_send_failure
+            transport.on_flushed = group._after_flush
+            assert transport.nursery is not None
+            transport.nursery.start_soon(group._dispatch, name="zmqdp-dispatcher")
+            try:
+                yield group
+            finally:
+                group._close(GroupClosed("the engine group was closed"))
 
     # -- public API -------------------------------------------------------------------
 
