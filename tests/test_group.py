@@ -29,7 +29,7 @@ from zmqdp import (
     RequestAborted,
     StreamTruncated,
 )
-from zmqdp.engine import Abort, Add, Wake
+from zmqdp.engine import Abort, Add, Resync, Wake
 from zmqdp.mock import MockConfig, run_mock_group
 
 from .engines import ScriptedEngine, start_engines
@@ -335,13 +335,17 @@ async def test_unencodable_body_is_refused_and_rolled_back(tmp_path: Path) -> No
 
 async def test_silent_rank_is_declared_dead_and_others_keep_serving(tmp_path: Path) -> None:
     with trio.fail_after(TIMEOUT):
-        async with group_of(tmp_path, 2, silence_timeout=0.5) as (group, _engines):
+        async with group_of(tmp_path, 2, silence_timeout=0.5) as (group, engines):
             async with group.submit(Request("r", {"hold": True}, rank=0)) as stream:
                 with pytest.raises(EngineDead, match=r"silent for .* holding 1 request"):
                     async for _ in stream:
                         pass
             assert (await collect(group, Request("s", "x")))[0].body == "x"
             assert group.engines[1].state is RankState.UP
+            # the silent engine is still alive: the client's RESYNC brings it back
+            await group.rank_state(0).wait_value(RankState.UP)
+            assert (await collect(group, Request("back", "y", rank=0)))[0].body == "y"
+            assert isinstance(engines[0].inbox[-2], Resync)
 
 
 async def test_rejoin_fails_the_old_incarnation_and_the_rank_comes_back(tmp_path: Path) -> None:

@@ -32,7 +32,9 @@ being cancelled inside it) aborts the request on its own rank; that abort is a
 synchronous queue operation, so it cannot be interrupted and needs no shield.
 
 Failure policy (§6). A dead rank's requests fail with `EngineDead(rank, cause)`. In an
-independent group the rank leaves selection and comes back after a fresh handshake. In
+independent group the rank leaves selection and comes back after a fresh handshake; the
+client sends it a RESYNC so that an engine that is alive but was silent or sent garbage
+does that handshake without a restart. In
 a lockstep group its peers cannot progress without it: the whole group fails, every
 live stream raises, and every later submit raises `GroupClosed`.
 """
@@ -533,6 +535,11 @@ class EngineGroup:
         self._states[rank].value = RankState.DOWN
         if not rejoin:
             self._transport.state.forget(rank)
+            if not self.lockstep:
+                # The engine may still be alive (silent, or sending garbage): ask it to
+                # drop everything and handshake again, so the rank can come back. Lost,
+                # harmlessly, if its process is gone.
+                self._transport.resync(rank)
         for call_id, (call_rank, done, box) in list(self._calls.items()):
             if call_rank == rank:
                 box.append(("dead", EngineDead(rank, cause)))
