@@ -24,7 +24,6 @@ import cbor2
 from . import cbor
 from .errors import ProtocolError
 from .messages import (
-    PROTOCOL_VERSION,
     Abort,
     Add,
     Call,
@@ -380,7 +379,3 @@ def decode_batch(data: bytes | memoryview) -> OutputBatch:
         replies=replies,
         dead=dead,
     )
-
-
-def version_supported(version: int) -> bool:
-    return version == PROTOCOL_VERSION

@@ -166,9 +166,6 @@ class HandshakeState:
     def info(self, rank: int) -> dict[str, Any]:
         return self._ranks[rank].info
 
-    def is_up(self, rank: int) -> bool:
-        return self._ranks[rank].phase is RankPhase.UP
-
     def ready(self) -> bool:
         return all(r.phase is RankPhase.UP for r in self._ranks)
 

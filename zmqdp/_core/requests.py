@@ -112,14 +112,6 @@ class RequestBook(Generic[H]):
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._live
 
-    def rank_of(self, request_id: str) -> int | None:
-        entry = self._live.get(request_id)
-        return None if entry is None else entry.rank
-
-    def handle_of(self, request_id: str) -> H | None:
-        entry = self._live.get(request_id)
-        return None if entry is None else entry.handle
-
     def live_on(self, rank: int) -> list[str]:
         """Ids live on `rank` (linear scan; for statistics and tests)."""
         return [rid for rid, e in self._live.items() if e.rank == rank]

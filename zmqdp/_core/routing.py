@@ -59,9 +59,6 @@ class Routing:
     def is_up(self, rank: int) -> bool:
         return 0 <= rank < self.size and self._up[rank]
 
-    def up_ranks(self) -> list[int]:
-        return [r for r in range(self.size) if self._up[r]]
-
     def set_up(self, rank: int) -> None:
         """Make `rank` selectable, with a fresh incarnation: no load, no seq."""
         self._up[rank] = True
@@ -160,6 +157,3 @@ class Routing:
 
     def inflight_ids(self, rank: int) -> frozenset[str]:
         return frozenset(self._inflight[rank])
-
-    def holds(self, rank: int, request_id: str) -> bool:
-        return request_id in self._inflight[rank]
