@@ -9,6 +9,9 @@
 
 Every batch carries `load` from `load_override` if set, else from what it holds. Every
 inbound message is recorded in `inbox`, so tests can check what reached which rank.
+
+Engines only ever see wire ids (``app-id#serial``, PROTOCOL.md §8.1): `held` is keyed
+by wire id, `holds(app_id)` and `wire(app_id)` translate for the tests.
 """
 
 from __future__ import annotations
@@ -56,9 +59,20 @@ class ScriptedEngine:
         batch = OutputBatch(rank=self.rank, outputs=outputs, load=self._load(), **fields)
         await self.engine.send(batch)
 
+    def wire(self, request_id: str) -> str:
+        """The wire id of the latest ADD this engine got for application id `request_id`."""
+        for msg in reversed(self.inbox):
+            if isinstance(msg, Add) and msg.id.rpartition("#")[0] == request_id:
+                return msg.id
+        raise AssertionError(f"no ADD for {request_id!r} reached rank {self.rank}")
+
+    def holds(self, request_id: str) -> bool:
+        return any(w.rpartition("#")[0] == request_id for w in self.held)
+
     async def finish(self, request_id: str, finish: str = "stop") -> None:
-        self.held.pop(request_id)
-        await self.emit((Output(request_id, "done", finish),))
+        wire_id = self.wire(request_id)
+        self.held.pop(wire_id)
+        await self.emit((Output(wire_id, "done", finish),))
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with connect_engine(

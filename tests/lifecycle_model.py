@@ -1,11 +1,27 @@
-"""A Hypothesis state machine for request retirement, routing and load reports.
+"""A Hypothesis state machine for request retirement across engine incarnations.
 
-The machine drives the real `RequestBook` + `Routing` against a model that knows the
-ground truth the core cannot see: which *incarnation* (handle) each engine message
-belongs to. Engines are modelled per rank with a FIFO inbox (ADD/ABORT) and a FIFO
-outbox (output batches), so aborts, confirmations, late outputs and id reuse arrive in
-every order ZeroMQ allows. The core only sees ids; the model checks that it still
-attributes every output to the right incarnation.
+The machine drives the real `GroupCore` (routing, request book, epochs, the codec) with
+encoded batches, against a model that knows the ground truth the core cannot see:
+which *submission* (handle) and which *incarnation* each engine message belongs to.
+
+Engines are modelled per rank and per incarnation, each with a FIFO inbox (ADD/ABORT)
+and a FIFO outbox (output batches). When a rank dies, its incarnation does not vanish:
+it becomes a *zombie* that keeps taking input, emitting for what it holds, and
+delivering its queued batches, all stamped with its old epoch, interleaved in any order
+with the batches of the rank's next incarnation (PROTOCOL.md §8.2). Application ids are
+drawn from a set of four, so they are reused all the time, right after aborts and
+while late outputs of their previous submission are still on the way (§8.1).
+
+Invariants (after every step, and at teardown):
+* every request ends exactly once, with the outcome the model predicts;
+* every output is delivered to the submission it belongs to, renamed to its
+  application id; nothing of one incarnation or wire id reaches another;
+* each rank's in-flight set is exactly its live requests (no slot leaks), and a down
+  rank holds nothing;
+* an accepted ADD fits the chosen rank's `max_message_size`; a refused one reserves
+  nothing (§8.4);
+* a malformed entry ends only the request it names, and the rest of its batch stands
+  (§8.5).
 
 It is a plain module (not a test file) so that `test_mutants.py` can run it against
 deliberately broken variants of the core.
@@ -19,32 +35,30 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import cbor2
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from zmqdp._core.errors import DuplicateRequestId, InvalidRank, NoEngineAvailable
-from zmqdp._core.messages import Load, Output
-from zmqdp._core.requests import Outcome, RequestBook
-from zmqdp._core.routing import Routing
+from zmqdp._core.errors import DuplicateRequestId, InvalidRank, InvalidRequest, NoEngineAvailable
+from zmqdp._core.group import GroupCore
+from zmqdp._core.handshake import rank_identity
+from zmqdp._core.messages import Load
+from zmqdp._core.requests import Outcome
 
 IDS = ["a", "b", "c", "d"]
 MAX_RANKS = 4
+SMALL_LIMIT = 64  # bytes: a rank with this max_message_size takes only small ADDs
+BODIES = {"small": "x" * 8, "large": "x" * 200}  # an ADD of "large" never fits SMALL_LIMIT
 
 
 class Handle:
-    """One submission (incarnation). Identity matters, not value."""
+    """One submission. Identity matters, not value."""
 
-    _ids = itertools.count()
+    _serials = itertools.count()
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.serial = next(self._ids)
+        self.serial = next(self._serials)
 
     def __repr__(self) -> str:
         return f"<{self.request_id}#{self.serial}>"
@@ -54,144 +68,166 @@ class Handle:
 class Event:
     """One entry of a batch, with the ground truth the core does not get."""
 
-    kind: str  # "output" | "terminal" | "drop" | "confirm" | "ghost"
-    request_id: str
+    kind: str  # "output" | "terminal" | "drop" | "confirm" | "dup" | "ghost" | "bad"
+    wire_id: str | None
     truth: Handle | None
 
 
 @dataclass
-class Engine:
+class Incarnation:
+    rank: int
+    epoch: int
     inbox: deque[tuple[str, str, Handle | None]] = field(default_factory=deque)
     held: dict[str, Handle] = field(default_factory=dict)
     outbox: deque[list[Event]] = field(default_factory=deque)
 
 
-class RetirementMachine(RuleBasedStateMachine):
-    """Subclass and set `routing_cls` / `book_cls` to run against a variant."""
+@dataclass
+class Live:
+    rank: int
+    handle: Handle
+    wire_id: str
 
-    routing_cls: type[Routing] = Routing
-    book_cls: type[RequestBook[Any]] = RequestBook
+
+class RetirementMachine(RuleBasedStateMachine):
+    """Subclass and set `core_cls` to run against a variant of the core."""
+
+    core_cls: type[GroupCore[Any]] = GroupCore
 
     def __init__(self) -> None:
         super().__init__()
         self.n = 0
 
-    @initialize(n=st.integers(1, MAX_RANKS))
-    def setup(self, n: int) -> None:
+    @initialize(
+        n=st.integers(1, MAX_RANKS),
+        limits=st.lists(st.sampled_from([SMALL_LIMIT, 1 << 20]), min_size=MAX_RANKS),
+    )
+    def setup(self, n: int, limits: list[int]) -> None:
         self.n = n
-        self.routing = self.routing_cls(n, up=True)
-        self.book: RequestBook[Handle] = self.book_cls(self.routing)
-        self.engines = [Engine() for _ in range(n)]
-        self.up = [True] * n
-        self.live: dict[str, tuple[int, Handle]] = {}  # model: id -> (rank, handle)
+        self.core: GroupCore[Handle] = self.core_cls(n, lockstep=False)
+        self.routing = self.core.routing
+        self.limits = limits[:n]
+        self.epochs = itertools.count(100)
+        self.current: list[Incarnation | None] = [None] * n
+        self.zombies: list[Incarnation] = []
+        self.live: dict[str, Live] = {}  # model: application id -> live submission
         self.ends: dict[Handle, list[Outcome]] = {}
         self.all_handles: list[Handle] = []
         self.last_seq: list[int | None] = [None] * n
         self.bursts = 0
+        self.now = 0.0
+        for rank in range(n):
+            self._bring_up(rank)
 
     # -- helpers ----------------------------------------------------------------------
 
     def _rank(self, r: int) -> int:
         return r % self.n
 
+    def _bring_up(self, rank: int) -> None:
+        epoch = next(self.epochs)
+        self.current[rank] = Incarnation(rank, epoch)
+        self.core.rank_up(rank, self.now, epoch=epoch, max_message_size=self.limits[rank])
+
+    def _up(self, rank: int) -> bool:
+        return self.current[rank] is not None
+
+    def _engines(self) -> list[Incarnation]:
+        return [e for e in self.current if e is not None] + self.zombies
+
     def _record_end(self, handle: Handle, outcome: Outcome, expected: Outcome) -> None:
         assert outcome is expected, f"{handle} ended {outcome}, expected {expected}"
         self.ends.setdefault(handle, []).append(outcome)
-        rid = handle.request_id
-        assert self.live.get(rid, (0, None))[1] is handle, f"{handle} ended but is not live"
-        del self.live[rid]
+        entry = self.live.get(handle.request_id)
+        assert entry is not None and entry.handle is handle, f"{handle} ended but is not live"
+        del self.live[handle.request_id]
 
-    def _submit(self, rid: str, pin: int | None, *, send: bool = True) -> Handle | None:
+    def _submit(self, rid: str, pin: int | None, body: str = "small") -> Handle | None:
         handle = Handle(rid)
-        up_before = list(self.up)
+        before = {r: self.routing.inflight_ids(r) for r in range(self.n)}
         try:
-            rank = self.book.submit(rid, handle, pin)
+            sub = self.core.submit(rid, BODIES[body], handle, pin, self.now)
         except DuplicateRequestId:
             assert rid in self.live, f"{rid} refused as duplicate but not live"
             return None
         except InvalidRank:
-            assert pin is not None and not self.up[pin]
+            assert pin is not None and not self._up(pin)
             return None
         except NoEngineAvailable:
-            assert pin is None and not any(self.up)
+            assert pin is None and not any(self._up(r) for r in range(self.n))
+            return None
+        except InvalidRequest:
+            assert body == "large", "a small ADD was refused"
+            ranks = [pin] if pin is not None else [r for r in range(self.n) if self._up(r)]
+            assert any(self.limits[r] == SMALL_LIMIT for r in ranks), "refused, yet it fits"
+            after = {r: self.routing.inflight_ids(r) for r in range(self.n)}
+            assert after == before, "a refused submit kept a reservation"
             return None
         assert rid not in self.live, f"live id {rid} accepted twice"
-        assert up_before[rank], f"chose rank {rank}, which is down"
+        assert self._up(sub.rank), f"chose rank {sub.rank}, which is down"
+        assert len(sub.frames[0]) + len(sub.frames[1]) <= self.limits[sub.rank], (
+            f"an ADD of {len(sub.frames[1]) + 1} bytes went to rank {sub.rank}, "
+            f"which accepts {self.limits[sub.rank]}"
+        )
         if pin is not None:
-            assert rank == pin
-        self.live[rid] = (rank, handle)
+            assert sub.rank == pin
+        assert all(sub.wire_id != e.wire_id for e in self.live.values())
+        self.live[rid] = Live(sub.rank, handle, sub.wire_id)
         self.all_handles.append(handle)
-        if send:
-            self.engines[rank].inbox.append(("add", rid, handle))
+        engine = self.current[sub.rank]
+        assert engine is not None
+        engine.inbox.append(("add", sub.wire_id, handle))
         return handle
+
+    def _client_abort(self, rid: str, handle: Handle | None) -> None:
+        ended = self.core.abort(rid, handle)
+        entry = self.live.get(rid)
+        if entry is None or (handle is not None and entry.handle is not handle):
+            assert ended is None, f"abort of {rid} ({handle}) ended {ended}"
+            return
+        assert ended is not None and ended.handle is entry.handle and ended.rank == entry.rank
+        assert ended.wire_id == entry.wire_id
+        self._record_end(entry.handle, ended.outcome, Outcome.ABORTED)
+        engine = self.current[entry.rank]
+        assert engine is not None
+        engine.inbox.append(("abort", entry.wire_id, None))
 
     # -- client rules -----------------------------------------------------------------
 
-    @rule(rid=st.sampled_from(IDS), pin=st.none() | st.integers(0, MAX_RANKS - 1))
-    def submit(self, rid: str, pin: int | None) -> None:
-        self._submit(rid, None if pin is None else self._rank(pin))
+    @rule(
+        rid=st.sampled_from(IDS),
+        pin=st.none() | st.integers(0, MAX_RANKS - 1),
+        body=st.sampled_from(sorted(BODIES)),
+    )
+    def submit(self, rid: str, pin: int | None, body: str) -> None:
+        self._submit(rid, None if pin is None else self._rank(pin), body)
 
     @rule(rid=st.sampled_from(IDS), pin=st.integers(MAX_RANKS, MAX_RANKS + 3))
     def submit_out_of_range(self, rid: str, pin: int) -> None:
         before = {r: self.routing.inflight_ids(r) for r in range(self.n)}
         try:
-            self.book.submit(rid, Handle(rid), pin)
+            self.core.submit(rid, None, Handle(rid), pin, self.now)
         except (InvalidRank, DuplicateRequestId):
             pass
         else:
             raise AssertionError(f"rank {pin} accepted in a group of {self.n}")
         assert before == {r: self.routing.inflight_ids(r) for r in range(self.n)}
 
-    @rule(rid=st.sampled_from(IDS), pin=st.none() | st.integers(0, MAX_RANKS - 1))
-    def submit_then_rollback(self, rid: str, pin: int | None) -> None:
-        """Encode or send failed: the ADD never reached the engine."""
-        handle = self._submit(rid, None if pin is None else self._rank(pin), send=False)
-        if handle is not None:
-            ended = self.book.rollback(rid, handle, "send failed")
-            assert ended is not None and ended.handle is handle
-            self._record_end(handle, ended.outcome, Outcome.ROLLED_BACK)
-
-    @rule(rid=st.sampled_from(IDS))
-    def submit_then_wake_fails(self, rid: str) -> None:
-        """The ADD went out but the wake failed: the stranded request is aborted."""
-        handle = self._submit(rid, None)
-        if handle is not None:
-            ended = self.book.abort(rid, handle, outcome=Outcome.ROLLED_BACK, cause="wake")
-            assert ended is not None
-            self._record_end(handle, ended.outcome, Outcome.ROLLED_BACK)
-            self.engines[ended.rank].inbox.append(("abort", rid, None))
-
     @rule(rid=st.sampled_from(IDS))
     def abort(self, rid: str) -> None:
-        ended = self.book.abort(rid)
-        if rid not in self.live:
-            assert ended is None, f"abort of {rid} ended something not live"
-            return
-        rank, handle = self.live[rid]
-        assert ended is not None and ended.handle is handle and ended.rank == rank
-        self._record_end(handle, ended.outcome, Outcome.ABORTED)
-        self.engines[rank].inbox.append(("abort", rid, None))
+        self._client_abort(rid, None)
 
     @rule(data=st.data())
     def stream_drop(self, data: st.DataObject) -> None:
-        """A stream (any incarnation, possibly long ended) closes."""
-        if not self.all_handles:
-            return
-        handle = data.draw(st.sampled_from(self.all_handles))
-        rid = handle.request_id
-        ended = self.book.abort(rid, handle)
-        if self.live.get(rid, (0, None))[1] is not handle:
-            assert ended is None, f"closing {handle} ended {ended}"
-            return
-        assert ended is not None and ended.handle is handle
-        self._record_end(handle, ended.outcome, Outcome.ABORTED)
-        self.engines[ended.rank].inbox.append(("abort", rid, None))
+        """A stream (any submission, possibly long ended) closes."""
+        if self.all_handles:
+            handle = data.draw(st.sampled_from(self.all_handles))
+            self._client_abort(handle.request_id, handle)
 
-    @precondition(lambda self: self.n > 0)
     @rule(k=st.integers(1, 9))
     def burst(self, k: int) -> None:
         """With no load reported, k unpinned submits over n up ranks spread evenly."""
-        up = [r for r in range(self.n) if self.up[r]]
+        up = [r for r in range(self.n) if self._up(r)]
         if not up or any(
             self.routing.inflight_count(r)
             or self.routing.load(r).waiting
@@ -204,114 +240,189 @@ class RetirementMachine(RuleBasedStateMachine):
             self.bursts += 1
             handle = self._submit(f"burst-{self.bursts}", None)
             assert handle is not None
-            picks[self.live[handle.request_id][0]] += 1
+            picks[self.live[handle.request_id].rank] += 1
         assert max(picks.values()) - min(picks.values()) <= 1, f"uneven burst {picks}"
 
-    # -- engine rules -----------------------------------------------------------------
+    # -- engine rules (any incarnation, current or zombie) ----------------------------
 
-    @rule(r=st.integers(0, MAX_RANKS - 1))
-    def engine_takes_input(self, r: int) -> None:
-        eng = self.engines[self._rank(r)]
-        if not eng.inbox:
+    @rule(data=st.data())
+    def engine_takes_input(self, data: st.DataObject) -> None:
+        engines = [e for e in self._engines() if e.inbox]
+        if not engines:
             return
-        kind, rid, handle = eng.inbox.popleft()
+        eng = data.draw(st.sampled_from(engines))
+        kind, wid, handle = eng.inbox.popleft()
         if kind == "add":
-            assert handle is not None
-            assert rid not in eng.held, f"ADD {rid} while it is live on the engine"
-            eng.held[rid] = handle
-        elif rid in eng.held:
-            eng.outbox.append([Event("confirm", rid, eng.held.pop(rid))])
+            assert handle is not None and wid not in eng.held
+            eng.held[wid] = handle
+        elif wid in eng.held:
+            eng.outbox.append([Event("confirm", wid, eng.held.pop(wid))])
 
-    @rule(r=st.integers(0, MAX_RANKS - 1), data=st.data())
-    def engine_emits(self, r: int, data: st.DataObject) -> None:
-        eng = self.engines[self._rank(r)]
-        if not eng.held:
+    @rule(data=st.data())
+    def engine_emits(self, data: st.DataObject) -> None:
+        engines = [e for e in self._engines() if e.held]
+        if not engines:
             return
-        rid = data.draw(st.sampled_from(sorted(eng.held)))
-        how = data.draw(st.sampled_from(["output", "terminal", "terminal+finished", "drop"]))
-        handle = eng.held[rid]
+        eng = data.draw(st.sampled_from(engines))
+        wid = data.draw(st.sampled_from(sorted(eng.held)))
+        how = data.draw(
+            st.sampled_from(["output", "terminal", "terminal+finished", "drop", "bad", "mixed"])
+        )
+        handle = eng.held[wid]
         if how == "output":
-            eng.outbox.append([Event("output", rid, handle)])
+            eng.outbox.append([Event("output", wid, handle)])
             return
-        del eng.held[rid]
+        del eng.held[wid]
         if how == "terminal":
-            eng.outbox.append([Event("terminal", rid, handle)])
+            eng.outbox.append([Event("terminal", wid, handle)])
         elif how == "drop":
-            eng.outbox.append([Event("drop", rid, handle)])
+            eng.outbox.append([Event("drop", wid, handle)])
+        elif how == "bad":  # a malformed entry that names the request (§8.5)
+            eng.outbox.append([Event("output", wid, handle), Event("bad", wid, handle)])
+        elif how == "mixed":  # observation 5: a good terminal plus an unusable bad entry
+            eng.outbox.append([Event("terminal", wid, handle), Event("bad", None, None)])
         else:
-            eng.outbox.append([Event("terminal", rid, handle), Event("dup", rid, handle)])
+            eng.outbox.append([Event("terminal", wid, handle), Event("dup", wid, handle)])
 
-    @rule(r=st.integers(0, MAX_RANKS - 1), rid=st.sampled_from(["ghost", *IDS]))
-    def engine_sends_garbage_ids(self, r: int, rid: str) -> None:
-        """A buggy engine names an id it does not hold: a ghost, or an id live on another
-        rank that this rank has no business confirming."""
-        rank = self._rank(r)
-        eng = self.engines[rank]
-        if rid != "ghost" and (
-            self.live.get(rid, (rank, None))[0] == rank
-            or rid in eng.held
-            or any(item[1] == rid for item in eng.inbox)
-            or self.book.unconfirmed(rank).get(rid)
-        ):
-            return
-        eng.outbox.append([Event("ghost", rid, None)])
+    @rule(data=st.data())
+    def zombie_steals_input(self, data: st.DataObject) -> None:
+        """Revision 1's hazard: a RESYNCed engine that kept its input socket shares the
+        pipe with its next incarnation, so an old task can take a new request's ADD."""
+        thieves = [z for z in self.zombies if (c := self.current[z.rank]) is not None and c.inbox]
+        if thieves:
+            zombie = data.draw(st.sampled_from(thieves))
+            victim = self.current[zombie.rank]
+            assert victim is not None
+            zombie.inbox.append(victim.inbox.popleft())
 
-    @rule(r=st.integers(0, MAX_RANKS - 1))
-    def client_receives(self, r: int) -> None:
-        rank = self._rank(r)
-        eng = self.engines[rank]
-        if not eng.outbox or not self.up[rank]:
+    @rule(data=st.data())
+    def engine_announces_dead(self, data: st.DataObject) -> None:
+        engines = self._engines()
+        if engines:
+            eng = data.draw(st.sampled_from(engines))
+            eng.outbox.append([Event("dead", None, None)])
+
+    @rule(data=st.data(), rid=st.sampled_from(["ghost", *IDS]))
+    def engine_sends_garbage_ids(self, data: st.DataObject, rid: str) -> None:
+        """A buggy engine names a wire id nobody issued (an application id is not one)."""
+        engines = self._engines()
+        if engines:
+            eng = data.draw(st.sampled_from(engines))
+            eng.outbox.append([Event("ghost", rid, None)])
+
+    @rule(data=st.data())
+    def client_receives(self, data: st.DataObject) -> None:
+        engines = [e for e in self._engines() if e.outbox]
+        if not engines:
             return
+        eng = data.draw(st.sampled_from(engines))
         events = eng.outbox.popleft()
-        outputs = []
-        finished = []
+        rank = eng.rank
+        current = self.current[rank] is eng
+        outputs: list[dict[str, Any]] = []
+        finished: list[Any] = []
         expect_deliver: list[tuple[Handle, str]] = []
         expect_end: list[tuple[Handle, Outcome]] = []
+        failed: set[str] = set()
+        dead = any(ev.kind == "dead" for ev in events)
+        events = [ev for ev in events if ev.kind != "dead"]
+
+        def live(ev: Event) -> bool:
+            entry = self.live.get(ev.truth.request_id) if ev.truth is not None else None
+            return (
+                current
+                and entry is not None
+                and entry.handle is ev.truth
+                and entry.wire_id == ev.wire_id
+                and ev.wire_id not in failed
+            )
+
+        # The core ends the requests named by malformed entries first (§8.5).
         for ev in events:
-            live = ev.truth is not None and self.live.get(ev.request_id, (0, None))[1] is ev.truth
-            if ev.kind in ("output", "terminal", "ghost"):
+            if ev.kind == "bad" and ev.wire_id is not None and live(ev):
+                assert ev.truth is not None
+                expect_end.append((ev.truth, Outcome.PROTOCOL_ERROR))
+                failed.add(ev.wire_id)
+        for ev in events:
+            if ev.kind == "bad":
+                outputs.append({"id": ev.wire_id, "finish": 3} if ev.wire_id else {"x": 1})
+            elif ev.kind in ("output", "terminal", "ghost"):
                 terminal = ev.kind != "output"
-                outputs.append(Output(ev.request_id, None, "stop" if terminal else None))
-                if live:
+                outputs.append(
+                    {"id": ev.wire_id, "body": 1, "finish": "stop" if terminal else None}
+                )
+                if live(ev):
                     assert ev.truth is not None
-                    expect_deliver.append((ev.truth, ev.request_id))
+                    expect_deliver.append((ev.truth, ev.truth.request_id))
                     if terminal:
                         expect_end.append((ev.truth, Outcome.FINISHED))
+                        failed.add(str(ev.wire_id))  # no longer live
             else:
-                finished.append(ev.request_id)
-                if live and ev.kind == "drop":
+                finished.append(ev.wire_id)
+                if ev.kind == "drop" and live(ev):
                     assert ev.truth is not None
                     expect_end.append((ev.truth, Outcome.TRUNCATED))
-        fx = self.book.apply_batch(rank, outputs, finished)
-        got = [(h, o.request_id) for h, o in fx.deliveries]
+                    failed.add(str(ev.wire_id))
+        batch: dict[str, Any] = {"rank": rank, "epoch": eng.epoch, "outputs": outputs}
+        batch["finished"] = finished
+        # every batch reports load, so a zombie's would show if it were applied
+        batch["load"] = {"waiting": 9, "running": 9, "kv": 0.9}
+        if dead:
+            batch["dead"] = "going away"
+        self.now += 0.001
+        load_before = self.routing.load(rank)
+        got_rank, result = self.core.on_message([rank_identity(rank), cbor2.dumps(batch)], self.now)
+        assert got_rank == rank
+        if not current:
+            assert self.routing.load(rank) == load_before, "a stale batch's load was applied"
+        if dead and current:
+            assert result.dead is not None, f"rank {rank} announced dead, nothing happened"
+        else:
+            assert result.dead is None, (
+                f"rank {rank} killed by a batch of {'its current' if current else 'a dead'}"
+                " incarnation with only entry errors"
+            )
+        fx = result.effects
+        got = [] if fx is None else [(h, o.request_id) for h, o in fx.deliveries]
         assert got == expect_deliver, f"delivered {got}, expected {expect_deliver}"
-        assert [(e.handle, e.outcome) for e in fx.ended] == expect_end, (
-            f"ended {fx.ended}, expected {expect_end}"
-        )
+        ended = [] if fx is None else [(e.handle, e.outcome) for e in fx.ended]
+        assert ended == expect_end, f"ended {ended}, expected {expect_end}"
         for handle, outcome in expect_end:
             self._record_end(handle, outcome, outcome)
+        if result.dead is not None:
+            self._kill(rank)
+
+    # -- rank lifecycle ---------------------------------------------------------------
 
     @rule(r=st.integers(0, MAX_RANKS - 1))
     def rank_dies(self, r: int) -> None:
-        rank = self._rank(r)
-        if not self.up[rank]:
+        """Declared dead (silence, rejoin, send failure): the process may live on as a
+        zombie of the old epoch until its RESYNC takes effect."""
+        self._kill(self._rank(r))
+
+    def _kill(self, rank: int) -> None:
+        eng = self.current[rank]
+        if eng is None:
             return
-        expected = {h for (rk, h) in self.live.values() if rk == rank}
-        ended = self.book.rank_down(rank, "dead: test")
+        expected = {e.handle for e in self.live.values() if e.rank == rank}
+        ended = self.core.rank_dead(rank, "dead: test")
         assert {e.handle for e in ended} == expected
         for e in ended:
             self._record_end(e.handle, e.outcome, Outcome.FAILED)
-        self.up[rank] = False
-        self.engines[rank] = Engine()
+        self.current[rank] = None
+        self.zombies.append(eng)
         self.last_seq[rank] = None
 
     @rule(r=st.integers(0, MAX_RANKS - 1))
     def rank_rejoins(self, r: int) -> None:
         rank = self._rank(r)
-        if self.up[rank]:
-            return
-        self.book.rank_up(rank)
-        self.up[rank] = True
+        if self.current[rank] is None:
+            self._bring_up(rank)
+
+    @rule(data=st.data())
+    def zombie_exits(self, data: st.DataObject) -> None:
+        if self.zombies:
+            self.zombies.remove(data.draw(st.sampled_from(self.zombies)))
 
     @rule(
         r=st.integers(0, MAX_RANKS - 1),
@@ -324,13 +435,13 @@ class RetirementMachine(RuleBasedStateMachine):
         rank = self._rank(r)
         applied = self.routing.observe_load(rank, Load(waiting, running, kv), seq)
         last = self.last_seq[rank]
-        expect = self.up[rank] and (seq is None or last is None or seq >= last)
+        expect = self._up(rank) and (seq is None or last is None or seq >= last)
         assert applied == expect, f"seq {seq} after {last}: applied={applied}"
         if applied:
             if seq is not None:
                 self.last_seq[rank] = seq
             stored = self.routing.load(rank)
-            empty = not any(rk == rank for rk, _ in self.live.values())
+            empty = not any(e.rank == rank for e in self.live.values())
             assert (stored.waiting, stored.running) == ((0, 0) if empty else (waiting, running))
             assert stored.kv == kv or (math.isnan(kv) and math.isnan(stored.kv))
 
@@ -343,13 +454,13 @@ class RetirementMachine(RuleBasedStateMachine):
         seen: set[str] = set()
         for rank in range(self.n):
             ids = self.routing.inflight_ids(rank)
-            want = {rid for rid, (rk, _) in self.live.items() if rk == rank}
+            want = {e.wire_id for e in self.live.values() if e.rank == rank}
             assert ids == want, f"rank {rank} holds {set(ids)}, live there: {want}"
             assert not ids & seen, f"ids {ids & seen} are in two in-flight sets"
             seen |= ids
-            if not self.up[rank]:
+            if not self._up(rank):
                 assert not ids, f"down rank {rank} holds {set(ids)}"
-        assert len(self.book) == len(self.live)
+        assert len(self.core.book) == len(self.live)
 
     @invariant()
     def every_request_ends_at_most_once(self) -> None:
@@ -365,6 +476,6 @@ class RetirementMachine(RuleBasedStateMachine):
         if not self.n:
             return
         # Every request that is not live has ended exactly once; live ones not at all.
-        live = {h for _, h in self.live.values()}
+        live = {e.handle for e in self.live.values()}
         for handle in self.all_handles:
             assert len(self.ends.get(handle, [])) == (0 if handle in live else 1), handle

@@ -6,42 +6,53 @@ machines and the exhaustive wave search against each and requires a failure.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-from zmqdp._core.errors import DuplicateRequestId
-from zmqdp._core.requests import RequestBook, _Live
-from zmqdp._core.routing import Routing
+from zmqdp._core.errors import ProtocolError
+from zmqdp._core.group import GroupCore, RankHealth
+from zmqdp._core.messages import OutputBatch
+from zmqdp._core.requests import RequestBook
 from zmqdp._core.waves import WaveClock
 
-
-class CountingRouting(Routing):
-    """Releases by counter: every release of an id decrements the rank's count, even if
-    that id was already released. Modelled on the set so the invariant can name ids:
-    an id still held is removed; otherwise some other request's slot is freed, which
-    is exactly what a decrement by one does to a count."""
-
-    def release(self, rank: int, request_ids: Iterable[str]) -> None:
-        held = self._inflight[rank]
-        for rid in request_ids:
-            if rid in held:
-                held.discard(rid)
-            elif held:
-                held.pop()
+# -- request lifecycle (caught by tests/lifecycle_model.py) ----------------------------
 
 
-class SelectFirstBook(RequestBook[Any]):
-    """Selects (and reserves) before registering, then rolls the reservation back when
-    the id turns out to be a live duplicate."""
+class IgnoresEpoch(GroupCore[Any]):
+    """Applies batches of any incarnation, as revision 1 did (§8.2 broken)."""
 
-    def submit(self, request_id: str, handle: Any, rank: int | None = None) -> int:
-        chosen = self.routing.select(request_id, rank)
-        live = self._live.get(request_id)
-        if live is not None:
-            self.routing.release(chosen, (request_id,))
-            raise DuplicateRequestId(request_id, live.rank)
-        self._live[request_id] = _Live(chosen, handle)
-        return chosen
+    def _is_stale(self, health: RankHealth, batch: OutputBatch) -> bool:
+        return False
+
+
+class ReusingWireIdBook(RequestBook[Any]):
+    """Puts the application's id on the wire, as revision 1 did (§8.1 broken)."""
+
+    def new_wire_id(self, request_id: str) -> str:
+        return request_id
+
+
+class ReusesWireIds(GroupCore[Any]):
+    book_cls = ReusingWireIdBook
+
+
+class DropsBatchOnBadEntry(GroupCore[Any]):
+    """Treats one malformed entry as a bad batch (§8.5 entry scope broken)."""
+
+    def _decode(self, body: bytes) -> OutputBatch:
+        batch = super()._decode(body)
+        if batch.bad_entries:
+            raise ProtocolError(f"malformed entry: {batch.bad_entries[0].cause}")
+        return batch
+
+
+class NoSizeCheck(GroupCore[Any]):
+    """Sends an ADD of any size (§8.4 broken)."""
+
+    def _fits(self, rank: int, frames: tuple[bytes, bytes]) -> bool:
+        return True
+
+
+# -- waves (caught by tests/wave_model.py) ---------------------------------------------
 
 
 class BumpingClock(WaveClock):

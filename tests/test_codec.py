@@ -47,7 +47,7 @@ from zmqdp._core.messages import (
 scalars = (
     st.none()
     | st.booleans()
-    | st.integers(min_value=-(2**64), max_value=2**64 - 1)
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
     | st.floats(allow_nan=False)
     | st.text(max_size=20)
     | st.binary(max_size=20)
@@ -68,7 +68,10 @@ texts = st.text(max_size=12)
     [
         Hello(rank=3, size=4, lockstep=True, wave=7),
         Hello(rank=0, size=1, lockstep=False),
+        Hello(rank=0, size=1, lockstep=False, max_message_size=1 << 20),
         Init(input="ipc:///tmp/g.in", output="ipc:///tmp/g.out", size=2),
+        Init(input="a", output="b", size=2, epoch=2**63 - 1, max_message_size=4096),
+        Register(epoch=17),
         Reject(reason="rank 9 is out of range"),
         Ready(info={"model": "m", "max_num_seqs": 256, "nested": {"a": [1, 2.5]}}),
         Ready(),
@@ -102,6 +105,7 @@ def test_unknown_request_type_is_ignored_not_an_error() -> None:
 @given(
     rank=counts,
     seq=st.none() | counts,
+    epoch=st.none() | st.integers(0, 2**63 - 1),
     outputs=st.lists(
         st.builds(Output, texts, values, st.none() | st.sampled_from(["stop", "length", "x"])),
         max_size=4,
@@ -156,9 +160,8 @@ BAD_BODIES = {
     "duplicate key": b"\xa2\x64rank\x00\x64rank\x01",
     "trailing bytes": cbor2.dumps({"rank": 0}) + b"\x00",
     "too deep": b"\x81" * 65 + b"\x00",
-    "undefined": b"\xa2\x64rank\x00\x68finished\x81\xf7",
-    "simple value": b"\xa2\x64rank\x00\x67outputs\x81\xa2\x62id\x61a\x64body\xf0",
-    "one-byte simple": b"\xa2\x64rank\x00\x67outputs\x81\xa2\x62id\x61a\x64body\xf8\x20",
+    "undefined": b"\xa2\x64rank\x00\x68finished\xf7",
+    "simple value": b"\xa2\x64rank\x00\x64dead\xf0",
     "integer map key": b"\xa1\x01\x02",
     "array map key": b"\xa1\x81\x01\x02",
     "shared value": bytes.fromhex("d81c81d81d00"),
@@ -179,13 +182,28 @@ def test_decoder_rejects_what_section_7_forbids(body: bytes) -> None:
         decode_batch(body)
 
 
+BAD_ENTRY_BODIES = {
+    "undefined in finished": b"\xa2\x64rank\x00\x68finished\x81\xf7",
+    "simple value in a body": b"\xa2\x64rank\x00\x67outputs\x81\xa2\x62id\x61a\x64body\xf0",
+    "one-byte simple": b"\xa2\x64rank\x00\x67outputs\x81\xa2\x62id\x61a\x64body\xf8\x20",
+}
+
+
+@pytest.mark.parametrize("body", BAD_ENTRY_BODIES.values(), ids=BAD_ENTRY_BODIES.keys())
+def test_section_7_violations_inside_an_entry_are_entry_errors(body: bytes) -> None:
+    batch = decode_batch(body)
+    assert batch.outputs == batch.finished == ()
+    [bad] = batch.bad_entries
+    assert "simple value" in bad.cause or "text string" in bad.cause
+
+
 def test_depth_64_is_accepted() -> None:
     assert cbor.loads(b"\x81" * 64 + b"\x00") is not None
 
 
 def test_opaque_values_are_vetted_and_unknown_keys_unread() -> None:
-    with pytest.raises(ProtocolError, match="key 1 is not a text string"):
-        decode_batch(cbor2.dumps({"rank": 0, "outputs": [{"id": "a", "body": {1: 2}}]}))
+    batch = decode_batch(cbor2.dumps({"rank": 0, "outputs": [{"id": "a", "body": {1: 2}}]}))
+    assert [(b.id, b.cause) for b in batch.bad_entries] == [("a", "map key 1 is not a text string")]
     assert decode_batch(b"\xa2\x64rank\x00\x63out\xf7") == OutputBatch(rank=0)
 
 
@@ -236,18 +254,19 @@ WRONG_TYPES = [
     ({}, "rank"),
     ({"rank": 0, "seq": 1.0}, "seq"),
     ({"rank": 0, "outputs": {"id": "a"}}, "outputs"),
-    ({"rank": 0, "outputs": [{"body": 1}]}, "id"),
-    ({"rank": 0, "outputs": [{"id": 5}]}, "id"),
-    ({"rank": 0, "outputs": [{"id": "a", "finish": 1}]}, "finish"),
+    ({"rank": 0, "outputs": {"id": "a"}}, "outputs"),
     ({"rank": 0, "finished": "a"}, "finished"),
-    ({"rank": 0, "finished": ["a", 1]}, "finished"),
+    ({"rank": 0, "epoch": "1"}, "epoch"),
+    ({"rank": 0, "seq": 2**63}, "seq"),
+    ({"rank": 0, "epoch": 2**63}, "epoch"),
+    ({"rank": 0, "start_wave": 2**64 - 1}, "start_wave"),
+    ({"rank": 0, "wave_complete": 2**63}, "wave_complete"),
     ({"rank": 0, "load": {"waiting": -2}}, "waiting"),
     ({"rank": 0, "load": {"kv": "full"}}, "kv"),
     ({"rank": 0, "load": [1, 2]}, "load"),
     ({"rank": 0, "wave_complete": False}, "wave_complete"),
     ({"rank": 0, "start_wave": -1}, "start_wave"),
-    ({"rank": 0, "replies": [{"result": 1}]}, "call"),
-    ({"rank": 0, "replies": [{"call": 1, "error": 3}]}, "error"),
+    ({"rank": 0, "replies": {"call": 1}}, "replies"),
     ({"rank": 0, "dead": 1}, "dead"),
     ([0], "map"),
 ]
@@ -261,8 +280,88 @@ def test_wrong_types_for_known_keys_are_rejected_with_the_key_named(body: Any, k
 
 def test_batch_errors_name_the_rank() -> None:
     with pytest.raises(ProtocolError) as info:
-        decode_batch(cbor2.dumps({"rank": 3, "outputs": [{"id": 1}]}))
+        decode_batch(cbor2.dumps({"rank": 3, "outputs": 1}))
     assert info.value.rank == 3 and "rank 3" in str(info.value)
+
+
+MALFORMED_ENTRIES: list[tuple[Any, str, str | int | None, str]] = [
+    ({"id": 5}, "outputs", None, "id"),
+    ({"body": 1}, "outputs", None, "lacks its 'id'"),
+    ({"id": "b#1", "finish": 1}, "outputs", "b#1", "finish"),
+    ({"id": "b#1", "body": {1: 2}}, "outputs", "b#1", "map key"),
+    ({"id": "b#1", "body": 2**63}, "outputs", "b#1", "64-bit"),
+    (["b#1"], "outputs", None, "map"),
+]
+
+
+@pytest.mark.parametrize(("entry", "key", "named", "cause"), MALFORMED_ENTRIES)
+def test_a_malformed_output_entry_spares_the_rest_of_the_batch(
+    entry: Any, key: str, named: str | int | None, cause: str
+) -> None:
+    """§8.5: an entry error is not a connection error."""
+    good = {"id": "a#0", "body": 1, "finish": "stop"}
+    batch = decode_batch(
+        cbor2.dumps({"rank": 0, "outputs": [good, entry], "finished": ["c#2"], "seq": 4})
+    )
+    assert batch.outputs == (Output("a#0", 1, "stop"),)
+    assert batch.finished == ("c#2",) and batch.seq == 4
+    [bad] = batch.bad_entries
+    assert (bad.key, bad.id) == (key, named) and cause in bad.cause
+
+
+def test_malformed_finished_and_reply_entries_are_reported_with_what_they_name() -> None:
+    body = {
+        "rank": 0,
+        "finished": ["a#0", 7],
+        "replies": [{"call": 3, "error": 3}, {"result": 1}, {"call": 4, "result": "ok"}],
+    }
+    batch = decode_batch(cbor2.dumps(body))
+    assert batch.finished == ("a#0",)
+    assert batch.replies == (Reply(call=4, result="ok"),)
+    assert [(b.key, b.id) for b in batch.bad_entries] == [
+        ("finished", None),
+        ("replies", 3),
+        ("replies", None),
+    ]
+
+
+def test_integers_are_signed_64_bit_on_the_wire() -> None:  # §8.4
+    assert cbor.loads(cbor.dumps(2**63 - 1)) == 2**63 - 1
+    assert cbor.loads(cbor.dumps(-(2**63))) == -(2**63)
+    for bad in (2**63, -(2**63) - 1, 2**64 - 1):
+        with pytest.raises(ProtocolError, match="signed 64-bit"):
+            cbor.dumps({"x": [bad]})
+    batch = decode_batch(cbor2.dumps({"rank": 0, "seq": 2**63 - 1, "start_wave": 2**63 - 1}))
+    assert batch.seq == batch.start_wave == 2**63 - 1
+    with pytest.raises(ProtocolError, match="call"):
+        decode_request(CALL, cbor2.dumps({"call": 2**63, "method": "m"}))
+
+
+def test_a_lone_surrogate_cannot_be_encoded_and_says_so() -> None:  # observation 4
+    for body in ("\ud800", {"k": ["x\udfff"]}):
+        with pytest.raises(ProtocolError, match="UnicodeEncodeError"):
+            encode_request(Add(id="r#0", body=body))
+    with pytest.raises(ProtocolError):
+        encode_request(Abort(("\ud800",)))
+
+
+def test_handshake_errors_name_the_message_they_claimed_to_be() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_handshake(cbor2.dumps({"type": "ready", "info": [1]}))
+    assert info.value.message == "ready"
+    with pytest.raises(ProtocolError) as info:
+        decode_handshake(cbor2.dumps({"type": "hello", "rank": 0}))
+    assert info.value.message == "hello"
+
+
+def test_errors_quote_at_most_200_characters_of_a_hostile_value() -> None:  # §8.5
+    huge = "x" * (16 << 20)
+    with pytest.raises(ProtocolError) as info:
+        decode_batch(cbor2.dumps({"rank": 0, "seq": huge}))
+    assert len(str(info.value)) < 400
+    with pytest.raises(ProtocolError) as info:
+        decode_handshake(cbor2.dumps({"type": huge}))
+    assert len(str(info.value)) < 400
 
 
 @pytest.mark.parametrize(
@@ -301,7 +400,7 @@ def test_bad_requests_are_rejected(kind: bytes, body: Any) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [{1: "int key"}, {"when": __import__("datetime").date(2026, 1, 1)}, {1, 2}, 2**70],
+    [{1: "int key"}, {"when": __import__("datetime").date(2026, 1, 1)}, {1, 2}, 2**70, 2**63],
 )
 def test_encoder_refuses_bodies_outside_the_subset(body: Any) -> None:
     with pytest.raises(ProtocolError):

@@ -1,27 +1,46 @@
-"""GroupCore's watchdogs and batch handling, with time passed in (no event loop)."""
+"""GroupCore's watchdogs, error scopes and submit checks, with time passed in (no event
+loop). Engines' batches are written as CBOR maps, as a peer would send them."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import cbor2
+import pytest
 
+from zmqdp._core.errors import InvalidRequest
 from zmqdp._core.group import GroupCore
+from zmqdp._core.handshake import rank_identity
+from zmqdp._core.requests import Outcome
+
+EPOCH = [10, 20]
 
 
-def core(lockstep: bool = False) -> GroupCore[object]:
+def core(lockstep: bool = False, **kw: Any) -> GroupCore[object]:
     c: GroupCore[object] = GroupCore(
-        2, lockstep=lockstep, silence_timeout=30, stall_timeout=5, max_decode_errors=3
+        2, lockstep=lockstep, silence_timeout=30, stall_timeout=5, **kw
     )
     for r in range(2):
-        c.rank_up(r, now=0.0)
+        c.rank_up(r, now=0.0, epoch=EPOCH[r])
     return c
+
+
+def send(c: GroupCore[object], rank: int, now: float, **batch: Any) -> Any:
+    body = cbor2.dumps({"rank": rank, "epoch": EPOCH[rank], **batch})
+    return c.on_message([rank_identity(rank), body], now)[1]
+
+
+def wire(c: GroupCore[object], rid: str) -> str:
+    wid = c.book.wire_id(rid)
+    assert wid is not None
+    return wid
 
 
 def test_an_idle_rank_is_never_silent_and_silence_starts_at_its_first_request() -> None:
     c = core()
     assert c.next_deadline() == math.inf
-    c.submit("a", object(), 0, now=100.0)  # idle for 100 s, then given work
+    c.submit("a", None, object(), 0, now=100.0)  # idle for 100 s, then given work
     assert c.next_deadline() == 130.0
     assert c.on_timeout(129.9) == ([], None)
     dead, _ = c.on_timeout(130.0)
@@ -30,57 +49,205 @@ def test_an_idle_rank_is_never_silent_and_silence_starts_at_its_first_request() 
 
 def test_any_batch_resets_silence() -> None:
     c = core()
-    c.submit("a", object(), 1, now=0.0)
-    c.on_batch(1, cbor2.dumps({"rank": 1, "load": {"running": 1}}), now=20.0)
+    c.submit("a", None, object(), 1, now=0.0)
+    send(c, 1, 20.0, load={"running": 1})
     assert c.next_deadline() == 50.0
 
 
 def test_stalled_lockstep_rank_gets_one_wake_at_the_clock_never_above() -> None:
     c = core(lockstep=True)
-    c.on_batch(0, cbor2.dumps({"rank": 0, "wave_complete": 6}), now=0.0)
-    c.submit("a", object(), 0, now=0.0)
-    c.on_batch(0, cbor2.dumps({"rank": 0, "load": {"waiting": 1}}), now=1.0)
+    send(c, 0, 0.0, wave_complete=6)
+    c.submit("a", None, object(), 0, now=0.0)
+    send(c, 0, 1.0, load={"waiting": 1})
     assert c.next_deadline() == 5.0
     assert c.on_timeout(5.0) == ([], 7)
     assert c.on_timeout(6.0) == ([], None)  # once, until the rank makes progress
     assert c.counters.stall_wakes == 1
-    c.on_batch(0, cbor2.dumps({"rank": 0, "outputs": [{"id": "a", "body": 1}]}), now=7.0)
+    send(c, 0, 7.0, outputs=[{"id": wire(c, "a"), "body": 1}])
     assert c.next_deadline() == 12.0  # progress re-arms the stall watch
+
+
+def test_a_stuck_lockstep_rank_that_keeps_reporting_load_dies_of_no_progress() -> None:
+    """§8.6 (observation 8): load reports are not progress."""
+    c = core(lockstep=True)
+    c.submit("a", None, object(), 0, now=0.0)
+    send(c, 0, 1.0, load={"waiting": 1})
+    assert c.on_timeout(5.0) == ([], 0)  # the stall WAKE
+    for t in range(6, 36):
+        send(c, 0, float(t), load={"waiting": 1})  # heard, but no output
+    assert c.on_timeout(34.9) == ([], None)
+    dead, wake = c.on_timeout(35.0)
+    assert wake is None and len(dead) == 1 and dead[0][0] == 0
+    assert "no progress" in dead[0][1]
+
+
+def test_no_stall_wake_after_an_idle_period() -> None:
+    """§8.6 (observation 8): the stall clock starts when the rank starts holding work."""
+    c = core(lockstep=True)
+    send(c, 0, 0.0, load={"waiting": 0})
+    c.submit("a", None, object(), 0, now=1000.0)  # idle for 1000 s first
+    send(c, 0, 1000.5, load={"waiting": 1})
+    assert c.on_timeout(1001.0) == ([], None)
+    assert c.next_deadline() == 1005.0
 
 
 def test_independent_groups_never_stall_wake() -> None:
     c = core()
-    c.submit("a", object(), 0, now=0.0)
-    c.on_batch(0, cbor2.dumps({"rank": 0, "load": {"waiting": 3}}), now=0.0)
+    c.submit("a", None, object(), 0, now=0.0)
+    send(c, 0, 0.0, load={"waiting": 3})
     assert c.on_timeout(10.0) == ([], None)
 
 
-def test_decode_errors_in_a_row_kill_but_a_good_batch_resets_the_count() -> None:
+def test_one_invalid_batch_is_a_connection_error() -> None:
+    """§8.5: a batch that is not valid kills its rank at once (no 'N in a row')."""
     c = core()
-    assert c.on_batch(0, b"\xff", now=0).dead is None
-    assert c.on_batch(0, b"\xff", now=0).dead is None
-    assert c.on_batch(0, cbor2.dumps({"rank": 0}), now=0).error is None
-    assert c.on_batch(0, b"\xff", now=0).dead is None
-    assert c.on_batch(0, b"\xff", now=0).dead is None
-    result = c.on_batch(0, cbor2.dumps({"rank": 1}), now=0)
-    assert result.dead is not None and "3 invalid batches in a row" in result.dead
-    assert "identity rank 0" in result.dead
-    assert c.counters.protocol_errors == 5
+    result = c.on_message([rank_identity(0), b"\xff"], now=0)
+    assert result[1].dead is not None and "connection error" in result[1].dead
+    result = c.on_message([rank_identity(1), cbor2.dumps({"rank": 0})], now=0)[1]
+    assert result.dead is not None and "identity rank 1" in result.dead
+    assert c.counters.protocol_errors == 2
+
+
+def test_a_message_with_the_wrong_frame_count_is_its_ranks_connection_error() -> None:
+    """§8.5 (observation 6): counted against the rank, not only group-wide."""
+    c = core()
+    rank, result = c.on_message([rank_identity(1), b"a", b"b"], now=0)
+    assert rank == 1 and result.dead is not None and "2 frames" in result.dead
+    assert c.health[1].protocol_errors == 1
+    rank, result = c.on_message([b"\x01\x02\x03", b"x"], now=0)
+    assert rank is None and result.dead is None and c.counters.protocol_errors == 2
+
+
+def test_a_malformed_entry_ends_only_the_request_it_names() -> None:
+    """§8.5 (observation 5)."""
+    c = core()
+    a, b = object(), object()
+    c.submit("a", None, a, 0, now=0)
+    c.submit("b", None, b, 0, now=0)
+    result = send(
+        c,
+        0,
+        1.0,
+        outputs=[
+            {"id": wire(c, "a"), "body": 1, "finish": "stop"},
+            {"id": wire(c, "b"), "finish": 7},
+            {"nothing": "usable"},
+        ],
+    )
+    assert result.dead is None
+    ended = {(e.handle, e.outcome) for e in result.effects.ended}
+    assert ended == {(a, Outcome.FINISHED), (b, Outcome.PROTOCOL_ERROR)}
+    assert [h for h, _ in result.effects.deliveries] == [a]
+    assert c.counters.malformed_entries == 2 and c.counters.protocol_failed == 1
+    assert c.routing.inflight_count(0) == 0 and c.is_up(0)
+
+
+def test_a_malformed_reply_fails_the_call_it_names() -> None:
+    c = core()
+    result = send(c, 0, 0.0, replies=[{"call": 4, "error": 5}])
+    assert result.bad_replies == (
+        (
+            4,
+            "malformed entry of 'replies': reply key 'error' must be a text string, got an integer",
+        ),
+    )
+
+
+def test_batches_of_another_epoch_are_stale_and_change_nothing() -> None:
+    """§8.2 (observation 2): no outputs, no load, no dead, not even 'heard'."""
+    c = core()
+    h = object()
+    c.submit("a", None, h, 0, now=0.0)
+    stale = cbor2.dumps(
+        {
+            "rank": 0,
+            "epoch": EPOCH[0] - 1,
+            "outputs": [{"id": wire(c, "a"), "body": 1, "finish": "stop"}],
+            "load": {"waiting": 7, "running": 7},
+            "dead": "old incarnation going away",
+        }
+    )
+    result = c.on_message([rank_identity(0), stale], now=29.0)[1]
+    assert result.effects is None and result.dead is None
+    assert c.counters.stale_messages == 1 and c.routing.load(0).waiting == 0
+    assert c.next_deadline() == 30.0  # the stale batch did not count as heard
+    assert "a" in c.book
+
+
+def test_a_batch_without_epoch_is_taken_as_current() -> None:
+    c = core()
+    c.submit("a", None, object(), 0, now=0.0)
+    body = cbor2.dumps({"rank": 0, "outputs": [{"id": wire(c, "a"), "finish": "stop"}]})
+    result = c.on_message([rank_identity(0), body], now=1.0)[1]
+    assert [e.outcome for e in result.effects.ended] == [Outcome.FINISHED]
 
 
 def test_dead_announcement_is_applied_after_the_rest_of_the_batch() -> None:
     c = core()
     h = object()
-    c.submit("a", h, 0, now=0)
-    body = {"rank": 0, "outputs": [{"id": "a", "body": 1, "finish": "stop"}], "dead": "oom"}
-    result = c.on_batch(0, cbor2.dumps(body), now=0)
+    c.submit("a", None, h, 0, now=0)
+    result = send(c, 0, 0, outputs=[{"id": wire(c, "a"), "body": 1, "finish": "stop"}], dead="oom")
     assert result.effects is not None and [e.handle for e in result.effects.ended] == [h]
-    assert result.dead == "announced dead: oom"
+    assert result.dead == "announced dead: 'oom'"
     assert c.rank_dead(0, "announced dead: oom") == []  # nothing left to fail
 
 
-def test_batches_from_a_down_rank_are_ignored() -> None:
+def test_batches_from_a_down_rank_are_stale() -> None:
     c = core()
     c.rank_dead(1, "test")
-    assert c.on_batch(1, b"\xff", now=0).error is None
-    assert c.counters.unknown_outputs == 1
+    assert c.on_message([rank_identity(1), b"\xff"], now=0)[1].dead is None
+    assert c.counters.stale_messages == 1
+
+
+@pytest.mark.parametrize(
+    ("request_id", "rank", "cause"),
+    [
+        ("", None, "empty"),
+        ("x" * 513, None, "at most 512"),
+        ("\ud800", None, "UTF-8"),
+        (5, None, "must be a str"),
+        ("r", 1.0, "rank must be an int"),
+        ("r", "0", "rank must be an int"),
+        ("r", True, "rank must be an int"),
+    ],
+)
+def test_bad_ids_and_pinned_ranks_are_invalid_requests(
+    request_id: Any, rank: Any, cause: str
+) -> None:
+    """Observation 4: a clear error, and nothing registered or reserved."""
+    c = core()
+    with pytest.raises(InvalidRequest, match=cause):
+        c.submit(request_id, None, object(), rank, now=0)
+    assert len(c.book) == 0 and c.routing.inflight_count(0) == c.routing.inflight_count(1) == 0
+
+
+def test_a_body_that_cannot_be_encoded_leaks_nothing() -> None:
+    """Observation 4: a lone surrogate in the body."""
+    c = core()
+    with pytest.raises(InvalidRequest, match=r"'bad'.*UnicodeEncodeError"):
+        c.submit("bad", {"text": "\udfff"}, object(), None, now=0)
+    assert "bad" not in c.book and c.routing.inflight_count(0) == 0
+    assert c.next_deadline() == math.inf  # no phantom slot that could look "silent"
+    c.submit("bad", {"text": "fine"}, object(), None, now=0)  # the id is free
+
+
+def test_an_add_larger_than_the_engine_accepts_is_refused_at_submit() -> None:
+    """§8.4 (observation 3)."""
+    c: GroupCore[object] = GroupCore(1, lockstep=False)
+    c.rank_up(0, now=0.0, epoch=1, max_message_size=1000)
+    with pytest.raises(InvalidRequest, match=r"'big'.*more than rank 0 accepts \(1000 bytes"):
+        c.submit("big", "x" * 1000, object(), None, now=0)
+    assert len(c.book) == 0 and c.routing.inflight_count(0) == 0
+    sub = c.submit("small", "x" * 900, object(), None, now=0)
+    assert len(sub.frames[0]) + len(sub.frames[1]) <= 1000
+
+
+def test_wire_ids_are_unique_for_the_life_of_the_core() -> None:
+    """§8.1: the application id can be reused, the wire id never."""
+    c = core()
+    seen = set()
+    for _ in range(5):
+        sub = c.submit("same", None, object(), 0, now=0)
+        assert sub.wire_id.startswith("same#") and sub.wire_id not in seen
+        seen.add(sub.wire_id)
+        assert c.abort("same") is not None

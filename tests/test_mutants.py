@@ -33,14 +33,22 @@ def _caught_by_machine(base: type[RuleBasedStateMachine], **swap: Any) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize(
-    "swap",
-    [{"routing_cls": mutants.CountingRouting}, {"book_cls": mutants.SelectFirstBook}],
-    ids=["release-by-counter", "select-before-register"],
-)
-def test_retirement_machine_catches(swap: dict[str, Any]) -> None:
-    message = _caught_by_machine(RetirementMachine, **swap)
-    assert "holds" in message  # the in-flight invariant is what breaks
+LIFECYCLE_MUTANTS = {
+    # a batch of a dead incarnation is applied to the new one (its load, here)
+    mutants.IgnoresEpoch: "stale batch",
+    # a late output of an aborted request reaches its successor with the same id
+    mutants.ReusesWireIds: "expected",
+    # one bad entry kills the rank instead of ending only the request it names
+    mutants.DropsBatchOnBadEntry: "with only entry errors",
+    # an ADD larger than the rank accepts is sent
+    mutants.NoSizeCheck: "which accepts",
+}
+
+
+@pytest.mark.parametrize("core", LIFECYCLE_MUTANTS, ids=lambda c: c.__name__)
+def test_retirement_machine_catches(core: type[Any]) -> None:
+    message = _caught_by_machine(RetirementMachine, core_cls=core)
+    assert LIFECYCLE_MUTANTS[core] in message
 
 
 WAVE_MUTANTS = [mutants.BumpingClock, mutants.IgnoresStartWave, mutants.BelievedParkedClock]

@@ -331,18 +331,19 @@ async def test_resync_makes_the_engine_handshake_again(ipc_url: str) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine)
             async with open_group_transport(ipc_url, 1) as transport:
-                rejoined = trio.Event()
-                transport.on_rejoin = lambda rank: rejoined.set()
-                transport.resync(0)
-                await rejoined.wait()
+                first_epoch = transport.state.epoch(0)
+                transport.forget(0)  # as the client does for a rank it declared dead
+                assert not transport.state.ready()
                 while not transport.state.ready():
                     await transport.ranks_changed.wait()
+                assert transport.state.epoch(0) == first_epoch + 1  # a new incarnation
                 transport.send(0, encode_request(Add("after", None)))
                 [[_, body]] = await transport.output.receive_batch()
                 batch = decode_batch(body)
                 assert batch.outputs[0].request_id == "after"
                 assert batch.seq == 0  # seq starts afresh with each HELLO
-                assert transport.state.rejoins == [1]
+                assert batch.epoch == transport.state.epoch(0)
+                assert transport.statistics().resyncs >= 1
             nursery.cancel_scope.cancel()
     assert isinstance(seen[0], Resync) and isinstance(seen[1], Add)
 

@@ -6,9 +6,12 @@ The client binds three ROUTERs (PROTOCOL.md §1): handshake, input and output. E
 exactly one owning task:
 
 * `serve_handshake` owns the handshake ROUTER for the life of the group. It answers
-  every HELLO with INIT or REJECT (through `HandshakeState`), records READY, and
-  reports a rank that came up and a HELLO that was a rejoin. Rejoins can come at any
-  time, so this task never stops while the group is open.
+  every HELLO with INIT or REJECT (through `HandshakeState`), records READY (an invalid
+  one is answered with REJECT), reports a rank that came up and a HELLO that was a
+  rejoin, and sends RESYNC about once a second to every rank the group is waiting for
+  (PROTOCOL.md §8.3; a RESYNC to an identity that is not connected fails with
+  EHOSTUNREACH and is ignored). Rejoins can come at any time, so this task never stops
+  while the group is open.
 * `serve_input` owns the input ROUTER. It sends what other tasks `send()` (ADD, ABORT,
   WAKE, CALL frames go into a queue; the owner is kicked awake) and receives the
   REGISTER messages that complete a rank's handshake, also at any time.
@@ -22,11 +25,18 @@ Either makes the rank dead (§6); its queued messages are dropped.
 `open_group_transport` binds, runs both tasks, and waits until all N ranks are up or
 `ready_timeout` passes (`HandshakeTimeout`, naming every missing rank and every
 rejected HELLO).
+
+Closing (§8.7): once the tasks are gone, `aclose` takes over the input socket, pushes
+what is still queued (the ABORTs the client sends for its live requests) without
+blocking, and closes it with a short LINGER, so those ABORTs reach the engines; the
+other sockets close with LINGER 0. The context is then terminated in a worker thread
+(bounded by that LINGER), since `term()` blocks.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -37,16 +47,18 @@ import zmq
 from ._addresses import GroupAddress, parse_group_url, prepare_ipc_directory
 from ._core.codec import decode_handshake, encode_handshake
 from ._core.errors import HandshakeTimeout, ProtocolError
+from ._core.group import DEFAULT_MAX_MESSAGE_SIZE
 from ._core.handshake import HandshakeState, identity_rank, rank_identity
-from ._core.messages import Hello, Ready, Register, Reject, Resync
-from ._util import single_exception
+from ._core.messages import Hello, Init, Ready, Register, Reject, Resync
+from ._util import open_service_nursery
 from ._zmq import ZSocket, ZSocketStatistics, is_unreachable
 
 __all__ = ["DEFAULT_MAX_MESSAGE_SIZE", "GroupTransport", "open_group_transport"]
 
 log = logging.getLogger("zmqdp")
 
-DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+CLOSE_LINGER = 0.5
+"""Seconds libzmq may spend delivering the ABORTs queued at close (§8.7)."""
 
 
 def _noop(*_: object) -> None:
@@ -60,6 +72,8 @@ class TransportStatistics:
     output: ZSocketStatistics
     rejected_hellos: int
     ignored_handshake_messages: int
+    stale_registers: int
+    resyncs: int
 
 
 class GroupTransport:
@@ -74,6 +88,7 @@ class GroupTransport:
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         send_timeout: float = 10.0,
         safety_timeout: float = 1.0,
+        resync_interval: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         self.url = url
@@ -95,7 +110,18 @@ class GroupTransport:
         """Where engines connect (for tcp://H:* the port the OS chose)."""
         self.input_address = self.address.advertised(self._endpoint(self.input))
         self.output_address = self.address.advertised(self._endpoint(self.output))
-        self.state = HandshakeState(size, self.input_address, self.output_address)
+        self.state = HandshakeState(
+            size,
+            self.input_address,
+            self.output_address,
+            # Random, so a restarted client never reuses its predecessor's epochs (§8.2).
+            first_epoch=secrets.randbelow(2**32) + 1,
+            max_message_size=max_message_size,
+            resync_interval=resync_interval,
+        )
+        self.linger_on_close = 0.0
+        """Set by the client when it queued ABORTs at close: how long they may take."""
+        self._resyncs = 0
         self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
         self.on_rank_up: Callable[[int], None] = _noop
         self.on_rejoin: Callable[[int], None] = _noop
@@ -131,24 +157,31 @@ class GroupTransport:
 
     # -- the owning tasks -------------------------------------------------------------
 
-    def resync(self, rank: int) -> None:
-        """Ask `rank` to drop its requests and redo the handshake (§2 RESYNC). Lost if
-        the rank is not connected; its HELLO (a rejoin) tells when it took effect."""
-        self.handshake.enqueue([rank_identity(rank), encode_handshake(Resync())])
+    def forget(self, rank: int, *, resync: bool = True) -> None:
+        """The rank is dead: it must handshake again. With `resync`, it is sent RESYNC
+        at once and then about once a second until it says HELLO (§8.3)."""
+        self.state.forget(rank, resync=resync)
+        if resync:
+            self.handshake.kick()
 
     async def serve_handshake(self) -> None:
-        """Own the handshake ROUTER: answer HELLOs, record READYs, send RESYNCs, forever."""
+        """Own the handshake ROUTER: answer HELLOs, record READYs, send RESYNCs, forever.
+
+        Cancellation: it stops between messages; a message it took off the socket is
+        answered first (the answer may be lost with the socket)."""
         zs = self.handshake
+        resync = encode_handshake(Resync())
         while True:
-            while (frames := zs.pop_queued()) is not None:
+            for rank in self.state.resync_due(trio.current_time()):
                 try:
-                    with trio.move_on_after(self.send_timeout):
-                        await zs.send(frames)
-                except zmq.ZMQError as exc:
-                    log.warning("handshake: could not send to %s: %s", frames[0].hex(), exc)
+                    if zs.send_nowait([rank_identity(rank), resync]):
+                        self._resyncs += 1
+                except zmq.ZMQError:
+                    pass  # not connected (yet): the next RESYNC may find it
             for frames in zs.receive_nowait():
                 await self._on_handshake_message(frames)
-            await zs.wait_readable_or_kicked()
+            with trio.move_on_at(self.state.next_resync()):
+                await zs.wait_readable_or_kicked()
 
     async def _on_handshake_message(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -164,11 +197,12 @@ class GroupTransport:
             msg: object = decode_handshake(body)
         except ProtocolError as exc:
             msg = exc
-        if isinstance(msg, Hello | ProtocolError):
+        if isinstance(msg, ProtocolError) and msg.message == "ready":
+            await self._answer_ready(identity, msg)
+        elif isinstance(msg, Hello | ProtocolError):
             await self._answer_hello(identity, msg)
         elif isinstance(msg, Ready):
-            if self.state.on_ready(identity, dict(msg.info)):
-                self._rank_up(identity)
+            await self._answer_ready(identity, dict(msg.info))
         else:
             self.state.ignored += 1
             log.warning(
@@ -188,10 +222,23 @@ class GroupTransport:
             log.info("rank %d: HELLO accepted", verdict.rank)
         if isinstance(verdict.reply, Reject):
             log.warning("handshake: rejected a HELLO: %s", verdict.reply.reason)
+        await self._answer(identity, verdict.reply)
+
+    async def _answer_ready(
+        self, identity: bytes, ready: dict[str, object] | ProtocolError
+    ) -> None:
+        verdict = self.state.on_ready(identity, ready)
+        if verdict is True:
+            self._rank_up(identity)
+        elif isinstance(verdict, Reject):
+            log.warning("handshake: rejected a READY: %s", verdict.reason)
+            await self._answer(identity, verdict)
+
+    async def _answer(self, identity: bytes, reply: Init | Reject) -> None:
         try:
             with trio.move_on_after(self.send_timeout):
-                await self.handshake.send([identity, encode_handshake(verdict.reply)])
-        except zmq.ZMQError as exc:  # the engine vanished between HELLO and our answer
+                await self.handshake.send([identity, encode_handshake(reply)])
+        except zmq.ZMQError as exc:  # the engine vanished between its message and ours
             log.warning("handshake: could not answer identity %s: %s", identity.hex(), exc)
 
     def _rank_up(self, identity: bytes) -> None:
@@ -279,7 +326,7 @@ class GroupTransport:
                 log.warning("input: undecodable message from %s: %s", frames[0].hex(), exc)
                 return
             if isinstance(msg, Register):
-                if self.state.on_register(frames[0]):
+                if self.state.on_register(frames[0], msg.epoch):
                     self._rank_up(frames[0])
                 return
         self.state.ignored += 1
@@ -305,6 +352,8 @@ class GroupTransport:
             output=self.output.statistics(),
             rejected_hellos=len(self.state.rejected),
             ignored_handshake_messages=self.state.ignored,
+            stale_registers=self.state.stale_registers,
+            resyncs=self._resyncs,
         )
 
     def _close_sockets(self) -> None:
@@ -317,6 +366,31 @@ class GroupTransport:
         """Close every socket (unsent messages are dropped) and the context."""
         self._close_sockets()
         self._sockets = []
+
+    async def aclose(self) -> None:
+        """Close after the owning tasks have ended, delivering queued ABORTs (§8.7).
+
+        Cancellation: shielded; it takes at most `linger_on_close` seconds."""
+        linger = 0.0
+        zs = self.input
+        if self.linger_on_close > 0 and zs.queued and not zs.closed:
+            zs.release()  # its owner, the input task, has ended
+            while (frames := zs.pop_queued()) is not None:
+                try:
+                    zs.send_nowait(frames)
+                except zmq.ZMQError:
+                    continue  # that engine is gone; its requests are over anyway
+            linger = self.linger_on_close
+        zs.close(linger=linger)
+        if linger == 0:
+            self.close()
+            return
+        for other in self._sockets:
+            other.close()
+        self._sockets = []
+        if self._own_context:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.context.term)
 
 
 @asynccontextmanager
@@ -346,16 +420,14 @@ async def open_group_transport(
         send_timeout=send_timeout,
     )
     try:
-        with single_exception():
-            async with trio.open_nursery() as nursery:
-                transport.nursery = nursery
-                nursery.start_soon(transport.serve_handshake, name="zmqdp-handshake")
-                nursery.start_soon(transport.serve_input, name="zmqdp-input")
-                with trio.move_on_after(ready_timeout) as waiting:
-                    await transport.wait_ready()
-                if waiting.cancelled_caught:
-                    raise transport.timeout_error(ready_timeout)
-                yield transport
-                nursery.cancel_scope.cancel()
+        async with open_service_nursery() as nursery:
+            transport.nursery = nursery
+            nursery.start_soon(transport.serve_handshake, name="zmqdp-handshake")
+            nursery.start_soon(transport.serve_input, name="zmqdp-input")
+            with trio.move_on_after(ready_timeout) as waiting:
+                await transport.wait_ready()
+            if waiting.cancelled_caught:
+                raise transport.timeout_error(ready_timeout)
+            yield transport
     finally:
-        transport.close()
+        await transport.aclose()

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
 from ._core.errors import ZmqdpError
 
-__all__ = ["single_exception"]
+__all__ = ["open_service_nursery", "single_exception"]
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
@@ -22,23 +22,63 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return out
 
 
+def _only_cancelled(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
+def collapse(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception to raise for a group of *library* task errors: the first real
+    error wins (a `ZmqdpError` before anything else, cancellations last), and the
+    others are attached to it as notes so nothing is hidden."""
+    leaves = _leaves(group)
+    real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    if not real:
+        return leaves[0]
+    real.sort(key=lambda e: not isinstance(e, ZmqdpError))
+    first = real[0]
+    for other in real[1:]:
+        first.add_note(f"also raised: {type(other).__name__}: {other}")
+    return first
+
+
 @contextmanager
 def single_exception() -> Iterator[None]:
-    """Turn an ExceptionGroup escaping an internal nursery into one plain exception.
-
-    Users of zmqdp never see an ExceptionGroup: the first real error wins (a
-    `ZmqdpError` before anything else, cancellations last) and the others are attached
-    to it as notes so nothing is hidden.
-    """
+    """Turn an ExceptionGroup escaping an internal nursery (no user code inside) into
+    one plain exception (see `collapse`)."""
     try:
         yield
     except BaseExceptionGroup as group:
-        leaves = _leaves(group)
-        real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
-        if not real:
-            raise leaves[0] from None
-        real.sort(key=lambda e: not isinstance(e, ZmqdpError))
-        first = real[0]
-        for other in real[1:]:
-            first.add_note(f"also raised: {type(other).__name__}: {other}")
-        raise first from None
+        raise collapse(group) from None
+
+
+@asynccontextmanager
+async def open_service_nursery() -> AsyncIterator[trio.Nursery]:
+    """A nursery of library tasks around a *user's* block.
+
+    Users never see an ExceptionGroup of ours, and never lose one of theirs: whatever
+    the block raises passes out unchanged (an `ExceptionGroup` stays a group, so
+    `except*` works), while errors of the library's own tasks are collapsed into one
+    plain exception. Leaving the block cancels the tasks.
+
+    Cancellation: the block's `Cancelled` passes out as it came, after the tasks end.
+    """
+    body_exc: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                yield nursery
+            except BaseException as exc:
+                body_exc = exc  # raised again below, once our tasks are gone
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        internal = collapse(group)
+        if body_exc is None or _only_cancelled(body_exc):
+            # The block was cancelled because a task of ours failed (or it ended and
+            # a task failed while being cancelled): the task's error is the story.
+            raise internal from None
+        if not isinstance(internal, trio.Cancelled):
+            body_exc.add_note(f"zmqdp also failed: {type(internal).__name__}: {internal}")
+    if body_exc is not None:
+        raise body_exc

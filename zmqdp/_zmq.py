@@ -235,16 +235,19 @@ class ZSocket:
 
     # -- closing ----------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Close now: wake any waiter with `ClosedResourceError`, drop unsent messages.
-        Safe to call more than once, from any task of this trio run."""
+    def close(self, linger: float = 0.0) -> None:
+        """Close now: wake any waiter with `ClosedResourceError`, drop messages still in
+        our queue. Messages already handed to libzmq are dropped too, unless `linger`
+        (seconds) gives libzmq that long to deliver them; `close` never waits, but a
+        later `Context.term()` does, for at most `linger`. Safe to call more than once,
+        from any task of this trio run."""
         if self.closed:
             return
         self.closed = True
         self._queue.clear()
         with contextlib.suppress(RuntimeError):  # outside trio nobody can be waiting
             trio.lowlevel.notify_closing(self.fd)
-        self.sock.close(linger=0)
+        self.sock.close(linger=int(linger * 1000))
 
     def statistics(self) -> ZSocketStatistics:
         return ZSocketStatistics(

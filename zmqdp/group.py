@@ -10,19 +10,27 @@ the output ROUTER and the watchdog deadline. All decisions are made by the sans-
 
 The submit path, `EngineGroup.submit`, is synchronous and never blocks:
 
-1. validate the request (and that the group is open);
-2. register it: a live duplicate id raises `DuplicateRequestId` before any reservation;
-3. select a rank and reserve it (pinned: `InvalidRank` if out of range or down);
-4. encode the ADD; an un-encodable body rolls the reservation back (`InvalidRequest`);
-5. queue the ADD for the input task, which sends it;
-6. lockstep groups: after the input task has sent a run of ADDs it sends **one**
+1. check that the group is open;
+2. `GroupCore.submit` validates the id and pinned rank, gives the request a fresh wire
+   id (PROTOCOL.md §8.1), encodes the ADD (any failure: `InvalidRequest`, nothing
+   kept), registers it (a live duplicate id raises `DuplicateRequestId` before any
+   reservation), selects and reserves a rank (pinned: `InvalidRank` if out of range or
+   down), and refuses an ADD larger than that rank accepts (§8.4: `InvalidRequest`,
+   the reservation rolled back);
+3. queue the ADD for the input task, which sends it;
+4. lockstep groups: after the input task has sent a run of ADDs it sends **one**
    WAKE(c) to every rank (PROTOCOL.md §5); a send failure there kills the rank, and in
    a lockstep group that fails the group, so no request is left stranded;
-7. hand out the `RequestStream`.
+5. hand out the `RequestStream`.
 
 A send that fails later (unknown peer, or a full queue past `send_timeout`) is reported
 by the input task and declares the rank dead (§6), which ends its requests with
 `EngineDead`; nothing is ever silently dropped.
+
+Messages from engines. `GroupCore.on_message` decides; the dispatcher carries it out.
+A message that is not a valid batch kills its rank at once (§8.5 connection error); a
+malformed entry ends only the request it names, with `ProtocolError`; a batch of a dead
+incarnation (another `epoch`, §8.2) is counted and dropped.
 
 Streams. The dispatcher appends outputs to a per-request buffer and wakes each consumer
 at most once per drained batch of messages, not once per output: waking a trio task
@@ -33,10 +41,14 @@ synchronous queue operation, so it cannot be interrupted and needs no shield.
 
 Failure policy (§6). A dead rank's requests fail with `EngineDead(rank, cause)`. In an
 independent group the rank leaves selection and comes back after a fresh handshake; the
-client sends it a RESYNC so that an engine that is alive but was silent or sent garbage
-does that handshake without a restart. In
-a lockstep group its peers cannot progress without it: the whole group fails, every
-live stream raises, and every later submit raises `GroupClosed`.
+client sends it RESYNC about once a second until it says HELLO (§8.3), so that an
+engine that is alive but was silent or sent garbage does that handshake without a
+restart. In a lockstep group its peers cannot progress without it: the whole group
+fails, every live stream raises, and every later submit raises `GroupClosed`.
+
+Closing (§8.7). Leaving `connect`'s block, or a lockstep group failing, sends ABORT for
+every live request to its rank (if that rank is up) before the sockets close, so
+engines stop generating for a client that is gone.
 """
 
 from __future__ import annotations
@@ -64,11 +76,10 @@ from ._core.errors import (
     StreamTruncated,
     ZmqdpError,
 )
-from ._core.group import GroupCore
-from ._core.handshake import identity_rank
-from ._core.messages import Abort, Add, Call, Load, Output, Wake
+from ._core.group import DEFAULT_MAX_MESSAGE_SIZE, GroupCore
+from ._core.messages import Abort, Call, Load, Output, Wake
 from ._core.requests import Ended, Outcome
-from ._transport import DEFAULT_MAX_MESSAGE_SIZE, GroupTransport, open_group_transport
+from ._transport import CLOSE_LINGER, GroupTransport, open_group_transport
 
 __all__ = [
     "EngineGroup",
@@ -82,6 +93,8 @@ __all__ = [
 
 log = logging.getLogger("zmqdp")
 
+_ABORT_CHUNK = 1024  # wire ids per ABORT at close: keeps each message small
+
 
 class RankState(enum.Enum):
     UP = "up"
@@ -90,8 +103,10 @@ class RankState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request: `id` unique among live requests, `body` any CBOR-able value
-    (PROTOCOL.md §7), `rank` to pin it (None: least-loaded)."""
+    """One request: `id` unique among live requests (a non-empty str of at most 512
+    characters; reusable once the request ends), `body` any CBOR-able value
+    (PROTOCOL.md §7) whose ADD fits the engine's `max_message_size`, `rank` an int to
+    pin it (None: least-loaded)."""
 
     id: str
     body: Any = None
@@ -126,9 +141,21 @@ class GroupStatistics:
     aborted: int
     failed: int
     rolled_back: int
+    """Submits refused with `InvalidRequest` because the body could not be encoded or
+    the ADD was too large; nothing was sent or kept."""
+    protocol_failed: int
+    """Requests ended with `ProtocolError` by a malformed entry naming them (§8.5)."""
     protocol_errors: int
+    """Messages that were not valid batches (each killed its rank), or came from an
+    identity that is no rank."""
+    malformed_entries: int
+    """Malformed entries of otherwise valid batches."""
+    stale_messages: int
+    """Messages of a dead incarnation (another epoch, or from a rank that is down)."""
     late_outputs: int
+    """Entries for requests that had already ended (e.g. outputs racing an abort)."""
     unknown_outputs: int
+    """Entries naming a wire id the client never issued, or one live on another rank."""
     wakes: int
     stall_wakes: int
     fallbacks: int
@@ -147,6 +174,8 @@ class RequestStream:
         self._group = group
         self.request_id = request.id
         self.rank = -1
+        self.wire_id = ""
+        """The id the engine knows this request by (PROTOCOL.md §8.1), for its logs."""
         self._buffer: deque[Output] = deque()
         self._waiter: trio.Event | None = None
         self._done = False
@@ -199,7 +228,14 @@ class RequestStream:
         stays live (leave the `async with` to abort it). When an output is already
         buffered it is returned without a schedule point, so a fast stream is not
         slowed down by one trio checkpoint per token.
+
+        Raises `trio.BusyResourceError` if another task is already waiting on this
+        stream: one stream has one consumer, as a trio channel's receive side.
         """
+        if self._waiter is not None:
+            raise trio.BusyResourceError(
+                f"request {self.request_id!r}: another task is already reading this stream"
+            )
         await trio.lowlevel.checkpoint_if_cancelled()
         while not self._buffer:
             if self._done:
@@ -239,14 +275,21 @@ class EngineGroup:
         silence_timeout: float = 30.0,
         send_timeout: float = 10.0,
         stall_timeout: float = 5.0,
-        max_decode_errors: int = 3,
         advertise_host: str | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     ) -> AsyncIterator[EngineGroup]:
         """Bind the group URL, wait for all `engines` ranks, and serve them.
 
+        Engines that kept running after an earlier client went away are picked up: the
+        client sends RESYNC to every rank it is waiting for (PROTOCOL.md §8.3).
+        `max_message_size` bounds what the client receives and is announced in INIT;
+        each engine announces its own in HELLO, and `submit` refuses larger ADDs.
+
         Raises `HandshakeTimeout` if the group is not ready in `ready_timeout` s.
-        Leaving the block closes every socket; live streams end with `GroupClosed`.
+        Leaving the block sends ABORT for every live request, then closes every socket;
+        live streams end with `GroupClosed`. An exception raised in the block passes
+        out unchanged (an `ExceptionGroup` stays one); errors of zmqdp's own tasks come
+        out as one plain exception.
 
         Cancellation: cancelled while waiting for the engines, it closes everything
         and leaves nothing running.
@@ -264,13 +307,11 @@ class EngineGroup:
                 lockstep=bool(transport.state.lockstep),
                 silence_timeout=silence_timeout,
                 stall_timeout=stall_timeout,
-                max_decode_errors=max_decode_errors,
                 wave=transport.state.hello_wave(),
             )
             group = cls(transport, core)
-            now = trio.current_time()
             for rank in range(engines):
-                core.rank_up(rank, now)
+                group._on_rank_up(rank)
             transport.on_rank_up = group._on_rank_up
             transport.on_rejoin = group._on_rejoin
             transport.on_send_failure = group._on_send_failure
@@ -308,21 +349,17 @@ class EngineGroup:
         """Send a request; return its stream (use it with `async with`).
 
         Never blocks. Raises `GroupClosed`, `DuplicateRequestId`, `InvalidRank`,
-        `NoEngineAvailable` or `InvalidRequest`, each before anything is sent.
+        `NoEngineAvailable` or `InvalidRequest` (a bad id, a pinned rank that is not an
+        int, a body with no CBOR form, or an ADD larger than the engine accepts), each
+        before anything is sent or reserved.
         """
         if self._closed is not None:
-            raise GroupClosed(self._closed.cause, request_id=request.id)
-        if type(request.id) is not str or not request.id:
-            raise InvalidRequest(str(request.id), "the id must be a non-empty string")
+            raise GroupClosed(self._closed.cause, request_id=str(request.id))
         stream = RequestStream(self, request)
-        rank = self._core.submit(request.id, stream, request.rank, trio.current_time())
-        stream.rank = rank
-        try:
-            frames = encode_request(Add(request.id, request.body))
-        except ProtocolError as exc:
-            self._core.rollback(request.id, stream, exc.cause)
-            raise InvalidRequest(request.id, exc.cause) from None
-        self._transport.send(rank, frames)
+        sub = self._core.submit(request.id, request.body, stream, request.rank, trio.current_time())
+        stream.rank = sub.rank
+        stream.wire_id = sub.wire_id
+        self._transport.send(sub.rank, sub.frames)
         self._adds_since_wake = self.lockstep
         return stream
 
@@ -334,7 +371,7 @@ class EngineGroup:
         """
         ended = self._core.abort(request_id)
         if ended is not None:
-            self._transport.send(ended.rank, encode_request(Abort((request_id,))))
+            self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
             ended.handle._end(Outcome.ABORTED, RequestAborted(ended.rank, request_id))
         await trio.lowlevel.checkpoint()
 
@@ -348,10 +385,16 @@ class EngineGroup:
         """
         if self._closed is not None:
             raise GroupClosed(self._closed.cause)
-        if not (0 <= rank < self.size and self._core.health[rank].up):
+        if not self._core.is_up(rank):
             raise EngineDead(rank, f"CALL {method!r}: the rank is not up")
         call_id = next(self._call_ids)
-        frames = encode_request(Call(call_id, method, tuple(args)))
+        try:
+            frames = encode_request(Call(call_id, method, tuple(args)))
+        except ProtocolError as exc:
+            raise InvalidRequest(f"CALL {method}", exc.cause) from None
+        limit = self._core.health[rank].max_message_size
+        if len(frames[0]) + len(frames[1]) > limit:
+            raise InvalidRequest(f"CALL {method}", f"larger than rank {rank} accepts ({limit})")
         done = trio.Event()
         box: list[Any] = []
         self._calls[call_id] = (rank, done, box)
@@ -395,7 +438,10 @@ class EngineGroup:
             aborted=c.aborted,
             failed=c.failed,
             rolled_back=c.rolled_back,
+            protocol_failed=c.protocol_failed,
             protocol_errors=c.protocol_errors,
+            malformed_entries=c.malformed_entries,
+            stale_messages=c.stale_messages,
             late_outputs=c.late_outputs,
             unknown_outputs=c.unknown_outputs,
             wakes=c.wakes,
@@ -415,7 +461,7 @@ class EngineGroup:
         if ended is not None:
             stream._end(Outcome.ABORTED)
             if self._closed is None:
-                self._transport.send(ended.rank, encode_request(Abort((stream.request_id,))))
+                self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
 
     def _end_stream(self, ended: Ended[RequestStream]) -> None:
         stream = ended.handle
@@ -423,6 +469,13 @@ class EngineGroup:
             stream._end(Outcome.FINISHED)
         elif ended.outcome is Outcome.TRUNCATED:
             stream._end(Outcome.TRUNCATED, StreamTruncated(ended.rank, ended.request_id))
+        elif ended.outcome is Outcome.PROTOCOL_ERROR:
+            stream._end(
+                ended.outcome,
+                ProtocolError(
+                    ended.cause or "malformed entry", rank=ended.rank, request_id=ended.request_id
+                ),
+            )
         else:  # FAILED: the rank died
             stream._end(
                 ended.outcome, EngineDead(ended.rank, ended.cause or "dead", ended.request_id)
@@ -448,16 +501,10 @@ class EngineGroup:
         core = self._core
         dirty: set[RequestStream] = set()
         for frames in messages:
-            rank = identity_rank(frames[0]) if frames else None
-            if rank is None or rank >= self.size or len(frames) != 2:
-                core.counters.protocol_errors += 1
-                log.warning(
-                    "output: dropped a message of %d frames from identity %s",
-                    len(frames),
-                    frames[0].hex() if frames else "?",
-                )
+            rank, result = core.on_message(frames, now)
+            if rank is None:
+                log.warning("%s", result.error)
                 continue
-            result = core.on_batch(rank, frames[1], now)
             fx = result.effects
             if fx is not None:
                 for stream, out in fx.deliveries:
@@ -477,6 +524,11 @@ class EngineGroup:
                         else ("result", reply.result)
                     )
                     done.set()
+            for call_id, cause in result.bad_replies:
+                pending = self._calls.get(call_id)
+                if pending is not None and pending[0] == rank:
+                    pending[2].append(("error", cause))
+                    pending[1].set()
             if result.error is not None:
                 log.warning("%s", result.error)
             if result.dead is not None:
@@ -516,9 +568,16 @@ class EngineGroup:
     def _on_rank_up(self, rank: int) -> None:
         if self._closed is not None:
             return
-        self._core.rank_up(rank, trio.current_time())
+        state = self._transport.state
+        self._core.rank_up(
+            rank,
+            trio.current_time(),
+            epoch=state.epoch(rank),
+            hello_wave=state.wave(rank),
+            max_message_size=state.engine_max_message_size(rank),
+        )
         self._states[rank].value = RankState.UP
-        log.info("rank %d: up again", rank)
+        log.info("rank %d: up (epoch %s)", rank, state.epoch(rank))
 
     def _on_rejoin(self, rank: int) -> None:
         self._rank_dead(
@@ -529,17 +588,15 @@ class EngineGroup:
         self._rank_dead(rank, cause)
 
     def _rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
-        if not self._core.health[rank].up:
+        if not self._core.is_up(rank):
             return
         log.error("rank %d: dead: %s", rank, cause)
         self._states[rank].value = RankState.DOWN
         if not rejoin:
-            self._transport.state.forget(rank)
-            if not self.lockstep:
-                # The engine may still be alive (silent, or sending garbage): ask it to
-                # drop everything and handshake again, so the rank can come back. Lost,
-                # harmlessly, if its process is gone.
-                self._transport.resync(rank)
+            # The engine may still be alive (silent, or sending garbage): in an
+            # independent group, RESYNC it until it handshakes again (§8.3), so the
+            # rank can come back. Harmless if its process is gone.
+            self._transport.forget(rank, resync=not self.lockstep)
         for call_id, (call_rank, done, box) in list(self._calls.items()):
             if call_rank == rank:
                 box.append(("dead", EngineDead(rank, cause)))
@@ -560,7 +617,11 @@ class EngineGroup:
         if self._closed is not None:
             return
         self._closed = reason
-        for ended in self._core.fail_all(reason.cause):
+        core = self._core
+        up = [core.is_up(r) and r != dead_rank for r in range(self.size)]
+        all_ended = core.fail_all(reason.cause)
+        self._abort_on_engines(all_ended, up)
+        for ended in all_ended:
             if ended.rank == dead_rank:
                 error: BaseException = EngineDead(ended.rank, dead_cause, ended.request_id)
             else:
@@ -571,3 +632,16 @@ class EngineGroup:
         for _, done, box in self._calls.values():
             box.append(("dead", GroupClosed(reason.cause)))
             done.set()
+
+    def _abort_on_engines(self, ended: list[Ended[RequestStream]], up: list[bool]) -> None:
+        """§8.7: tell each engine that is still up to drop what it was running for us."""
+        by_rank: dict[int, list[str]] = {}
+        for e in ended:
+            if up[e.rank]:
+                by_rank.setdefault(e.rank, []).append(e.wire_id)
+        for rank, wire_ids in by_rank.items():
+            for start in range(0, len(wire_ids), _ABORT_CHUNK):
+                chunk = tuple(wire_ids[start : start + _ABORT_CHUNK])
+                self._transport.send(rank, encode_request(Abort(chunk)))
+        if by_rank:
+            self._transport.linger_on_close = CLOSE_LINGER

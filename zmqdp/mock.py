@@ -24,9 +24,17 @@ Lockstep mode follows PROTOCOL.md §5 and vLLM's DP engines (vllm_dp.md §3):
 * an ADD while parked always sends `start_wave: wave`; with `self_wake` the rank also
   starts running at once (vLLM's behaviour), otherwise it waits for the WAKE.
 
+A RESYNC from the client reaches a rank as `Resync` in its inbox, behind every request
+of the old incarnation: the rank drops its requests and its per-incarnation state
+(`_reset`) and serves the next incarnation, which `zmqdp.engine` has already set up. The
+rank keeps `eng.wave` current, so that the HELLO after a RESYNC reports its wave.
+
 Faults are injected per rank (`RankFaults`): announce `dead`, go silent, send garbage
 bodies, rejoin (a new incarnation that says HELLO again) after k outputs, run slower,
-or say a wrong field in HELLO. CALL methods: `ping`, `info`, `echo`.
+or say a wrong field in HELLO. CALL methods: `ping`, `info`, `echo`. `dead`, `silent`
+and `garbage` fire once per rank: a rank that announced `dead` ignores everything until
+a RESYNC, a silent one sends nothing until a RESYNC, and then both serve again, as a
+restarted engine would (an independent client RESYNCs a rank it declared dead).
 """
 
 from __future__ import annotations
@@ -140,15 +148,22 @@ class MockRank:
         self.emitted = 0
         self.incarnation = 0
         self.counter = 0
+        # the one-shot faults: armed until they fire (once per rank, not per incarnation)
+        self.garbage_left = self.faults.garbage
+        self.dead_armed = self.faults.dead_after is not None
+        self.silent_armed = self.faults.silent_after is not None
         self._reset()
 
     def _reset(self) -> None:
+        """Forget the incarnation: its requests, and the effect of a fault that fired.
+        A new incarnation (RESYNC or rejoin) starts empty and serving."""
         self.active: list[_Seq] = []
         self.queue: deque[_Seq] = deque()
         self.finished: list[str] = []
         self.replies: list[Reply] = []
         self.pending_start: int | None = None
-        self.garbage_left = self.faults.garbage
+        self.silent = False  # the silent fault fired: send nothing
+        self.zombie = False  # the dead fault fired: ignore everything but a RESYNC
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -197,9 +212,11 @@ class MockRank:
         return bool(self.active or self.queue)
 
     async def _serve(self, eng: Engine) -> bool:
-        """Serve one incarnation. Returns True to rejoin."""
+        """Serve until the rank rejoins (returns True). A RESYNC does not end it:
+        `zmqdp.engine` redoes the handshake and the inbox says `Resync`."""
         self.delayed.clear()
         while True:
+            eng.wave = self.wave  # what a HELLO after a RESYNC reports
             self._take_inbox(eng)  # the inbox is handled only between steps
             await self._flush_control(eng)
             idle = not self.running if self.collective is not None else not self._has_work()
@@ -209,6 +226,8 @@ class MockRank:
             await self._sleep_step(eng)
             if await self._step(eng):
                 return True
+            if self.zombie:
+                continue  # it announced dead: it leaves the collective too
             if self.collective is not None:
                 self.counter += 1
                 any_work, top = await self.collective.exchange(self._has_work(), self.wave)
@@ -248,6 +267,8 @@ class MockRank:
 
     def _handle(self, msg: Any) -> None:
         """Apply one inbound message (replies and start_wave go out in the next flush)."""
+        if self.zombie and not isinstance(msg, Resync):
+            return  # announced dead: a dead engine does nothing
         if isinstance(msg, Add):
             body = msg.body if isinstance(msg.body, dict) else {}
             prompt = body.get("prompt", [])
@@ -299,9 +320,10 @@ class MockRank:
 
     async def _send(self, eng: Engine, batch: OutputBatch) -> None:
         f = self.faults
-        if f.silent_after is not None and self.emitted >= f.silent_after:
-            return
-        await eng.send(batch)
+        if self.silent_armed and f.silent_after is not None and self.emitted >= f.silent_after:
+            self.silent_armed, self.silent = False, True
+        if not self.silent:
+            await eng.send(batch)
 
     async def _flush_control(self, eng: Engine) -> None:
         """Send what the inbox produced: start_wave, finished, replies."""
@@ -326,7 +348,7 @@ class MockRank:
         f = self.faults
         while self.garbage_left:  # k undecodable bodies in a row
             self.garbage_left -= 1
-            await eng._out_send.send([b"\xff not cbor"])
+            await eng._for_testing_send_raw([b"\xff not cbor"])
         outputs = []
         for s in list(self.active):
             s.left -= 1
@@ -337,13 +359,19 @@ class MockRank:
                 self.active.remove(s)
         self.emitted += len(outputs)
         dead = None
-        if f.dead_after is not None and self.emitted >= f.dead_after:
+        if self.dead_armed and f.dead_after is not None and self.emitted >= f.dead_after:
+            self.dead_armed = False
             dead = "injected fault: dead_after"
         await self._send(
             eng, OutputBatch(self.rank, outputs=tuple(outputs), load=self._load(), dead=dead)
         )
         if dead is not None:
-            await trio.sleep_forever()
+            # Dead until the client RESYNCs this rank. In lockstep the peers now block in
+            # the collective, as they would for a real dead rank.
+            self._reset()
+            self.zombie = True
+            self.running = False
+            return False
         return bool(
             f.rejoin_after is not None and self.emitted >= f.rejoin_after * self.incarnation
         )

@@ -29,15 +29,19 @@ from typing import Any, NoReturn
 
 import cbor2
 
-from .errors import ProtocolError
+from .errors import ProtocolError, quote
 
-__all__ = ["MAX_DEPTH", "check_value", "dumps", "loads"]
+__all__ = ["INT_MAX", "INT_MIN", "MAX_DEPTH", "check_value", "dumps", "loads"]
 
 MAX_DEPTH = 64
 """Deepest container nesting accepted (a top-level map or array is at depth 1)."""
 
-_INT_MIN = -(2**64)
-_INT_MAX = 2**64 - 1
+INT_MIN = -(2**63)
+INT_MAX = 2**63 - 1
+"""§8.4: every integer on the wire is within signed 64 bits (CBOR itself allows 2^64 - 1
+and -2^64, which many decoders, msgpack's among them, cannot hold)."""
+_INT_MIN = INT_MIN
+_INT_MAX = INT_MAX
 
 
 def _reject_tag(*_: Any) -> NoReturn:
@@ -85,9 +89,9 @@ def loads(data: bytes | memoryview) -> Any:
 
 def _kind_error(value: Any) -> ProtocolError:
     if value is cbor2.undefined or isinstance(value, cbor2.CBORSimpleValue):
-        return ProtocolError(f"CBOR simple value {value!r} is not allowed")
+        return ProtocolError(f"CBOR simple value {quote(value)} is not allowed")
     if type(value) is int:
-        return ProtocolError(f"integer {value} does not fit CBOR's 64-bit integers")
+        return ProtocolError(f"integer {quote(value)} is outside the signed 64-bit range (§8.4)")
     return ProtocolError(f"a value of type {type(value).__name__} has no CBOR form in §7")
 
 
@@ -111,7 +115,7 @@ def check_value(value: Any, depth: int = MAX_DEPTH) -> None:
         if type(container) is dict:
             for key in container:
                 if type(key) is not str:
-                    raise ProtocolError(f"map key {key!r} is not a text string")
+                    raise ProtocolError(f"map key {quote(key)} is not a text string")
             items = container.values()
         else:
             items = container
@@ -129,6 +133,19 @@ def check_value(value: Any, depth: int = MAX_DEPTH) -> None:
 
 
 def dumps(obj: Any, *, depth: int = MAX_DEPTH) -> bytes:
-    """Encode a value after `check_value`; raise `ProtocolError` if it has no §7 form."""
+    """Encode a value after `check_value`; raise `ProtocolError` if it has no §7 form.
+
+    Total like `loads`: whatever cbor2 raises (a string with a lone surrogate has no
+    UTF-8 form and raises `UnicodeEncodeError`) becomes `ProtocolError`, so a caller that
+    rolls back on `ProtocolError` rolls back on every failure to encode."""
     check_value(obj, depth)
-    return cbor2.dumps(obj)
+    return encode(obj)
+
+
+def encode(obj: Any) -> bytes:
+    """`cbor2.dumps` for a value known to be in the subset, made total: any failure
+    (for example a lone surrogate in a string) raises `ProtocolError`."""
+    try:
+        return cbor2.dumps(obj)
+    except Exception as exc:
+        raise ProtocolError(f"cannot encode as CBOR: {type(exc).__name__}: {exc}") from None

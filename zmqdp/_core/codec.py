@@ -8,9 +8,14 @@ Unknown keys are ignored, unread, so a later protocol version can add fields. Bo
 are not integers here (CBOR keeps them apart even though Python does not), and
 counters, ranks and waves must be >= 0.
 
-Encoding our own fixed-shape messages goes straight to cbor2. Values that come from the
-application (an ADD body, CALL arguments) are checked against §7 after encoding, so a
-body that a conforming engine would have to reject is refused before it is sent.
+Encoding our own fixed-shape messages goes straight to cbor2 (made total by
+`cbor.encode`). Values that come from the application (an ADD body, CALL arguments) are
+checked against §7 before encoding, so a body that a conforming engine would have to
+reject is refused before it is sent; any failure to encode raises `ProtocolError`.
+
+Error scope (PROTOCOL.md §8.5): `decode_batch` raises only for a *connection* error (the
+batch as a whole is not valid); a malformed entry is returned in `bad_entries` so that
+the caller can end just the request it names.
 """
 
 from __future__ import annotations
@@ -19,13 +24,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import cbor2
-
 from . import cbor
-from .errors import ProtocolError
+from .cbor import INT_MAX
+from .errors import ProtocolError, quote
 from .messages import (
     Abort,
     Add,
+    BadEntry,
     Call,
     HandshakeMessage,
     Hello,
@@ -89,14 +94,17 @@ def _kind(value: Any) -> str:
 
 
 def _count(m: Mapping[str, Any], key: str, what: str, *, required: bool = False) -> int | None:
-    """A non-negative integer field (rank, size, seq, wave, counts...). Null = absent."""
+    """A non-negative integer field (rank, size, seq, wave, epoch, call id, counts...),
+    at most 2^63 - 1 (§8.4). Null = absent."""
     value = m.get(key)
     if value is None:
         if required:
             raise ProtocolError(f"{what} lacks required key {key!r}")
         return None
-    if type(value) is not int or value < 0:
-        raise ProtocolError(f"{what} key {key!r} must be an integer >= 0, got {value!r}")
+    if type(value) is not int or not 0 <= value <= INT_MAX:
+        raise ProtocolError(
+            f"{what} key {key!r} must be an integer in [0, 2^63 - 1], got {quote(value)}"
+        )
     return value
 
 
@@ -136,6 +144,8 @@ def encode_handshake(msg: HandshakeMessage) -> bytes:
         }
         if msg.wave is not None:
             body["wave"] = msg.wave
+        if msg.max_message_size is not None:
+            body["max_message_size"] = msg.max_message_size
     elif isinstance(msg, Init):
         body = {
             "type": "init",
@@ -144,24 +154,38 @@ def encode_handshake(msg: HandshakeMessage) -> bytes:
             "output": msg.output,
             "size": msg.size,
         }
+        if msg.epoch is not None:
+            body["epoch"] = msg.epoch
+        if msg.max_message_size is not None:
+            body["max_message_size"] = msg.max_message_size
     elif isinstance(msg, Reject):
         body = {"type": "reject", "reason": msg.reason}
     elif isinstance(msg, Ready):
         return cbor.dumps({"type": "ready", "info": dict(msg.info)})
     elif isinstance(msg, Register):
-        body = {"type": "register"}
+        body = (
+            {"type": "register"} if msg.epoch is None else {"type": "register", "epoch": msg.epoch}
+        )
     elif isinstance(msg, Resync):
         body = {"type": "resync"}
     else:  # pragma: no cover - exhaustiveness guard
         raise TypeError(f"not a handshake message: {msg!r}")
-    return cbor2.dumps(body)
+    return cbor.encode(body)
 
 
 def decode_handshake(data: bytes | memoryview) -> HandshakeMessage:
-    """Decode a handshake-socket body (either direction) or a REGISTER."""
+    """Decode a handshake-socket body (either direction) or a REGISTER. The
+    `ProtocolError` it raises names in `message` the type the body claimed, if any."""
     m = _map(cbor.loads(data), "handshake message")
     kind = _text(m, "type", "handshake message", required=True)
-    what = f"{kind!r} message"
+    try:
+        return _handshake(m, kind)
+    except ProtocolError as exc:
+        raise exc.at(message=kind) from None
+
+
+def _handshake(m: dict[str, Any], kind: str | None) -> HandshakeMessage:
+    what = f"{quote(kind)} message"
     if kind == "hello":
         version = _count(m, "version", what, required=True)
         rank = _count(m, "rank", what, required=True)
@@ -170,15 +194,32 @@ def decode_handshake(data: bytes | memoryview) -> HandshakeMessage:
         if type(lockstep) is not bool:
             raise ProtocolError(f"{what} key 'lockstep' must be a boolean, got {_kind(lockstep)}")
         wave = _count(m, "wave", what)
+        limit = _count(m, "max_message_size", what)
         assert version is not None and rank is not None and size is not None
-        return Hello(rank=rank, size=size, lockstep=lockstep, wave=wave, version=version)
+        return Hello(
+            rank=rank,
+            size=size,
+            lockstep=lockstep,
+            wave=wave,
+            version=version,
+            max_message_size=limit,
+        )
     if kind == "init":
         version = _count(m, "version", what, required=True)
         size = _count(m, "size", what, required=True)
         inp = _text(m, "input", what, required=True)
         out = _text(m, "output", what, required=True)
+        epoch = _count(m, "epoch", what)
+        limit = _count(m, "max_message_size", what)
         assert version is not None and size is not None and inp is not None and out is not None
-        return Init(input=inp, output=out, size=size, version=version)
+        return Init(
+            input=inp,
+            output=out,
+            size=size,
+            version=version,
+            epoch=epoch,
+            max_message_size=limit,
+        )
     if kind == "reject":
         reason = _text(m, "reason", what, required=True)
         assert reason is not None
@@ -190,10 +231,10 @@ def decode_handshake(data: bytes | memoryview) -> HandshakeMessage:
         cbor.check_value(_map(info, "'ready' message key 'info'"))
         return Ready(info=info)
     if kind == "register":
-        return Register()
+        return Register(epoch=_count(m, "epoch", what))
     if kind == "resync":
         return Resync()
-    raise ProtocolError(f"unknown handshake message type {kind!r}")
+    raise ProtocolError(f"unknown handshake message type {quote(kind)}")
 
 
 # -- requests -------------------------------------------------------------------------
@@ -205,9 +246,9 @@ def encode_request(msg: RequestMessage) -> tuple[bytes, bytes]:
     if isinstance(msg, Add):
         return ADD, cbor.dumps({"id": msg.id, "body": msg.body})
     if isinstance(msg, Abort):
-        return ABORT, cbor2.dumps(list(msg.ids))
+        return ABORT, cbor.encode(list(msg.ids))
     if isinstance(msg, Wake):
-        return WAKE, cbor2.dumps({"wave": msg.wave})
+        return WAKE, cbor.encode({"wave": msg.wave})
     if isinstance(msg, Call):
         return CALL, cbor.dumps({"call": msg.call, "method": msg.method, "args": list(msg.args)})
     raise TypeError(f"not a request message: {msg!r}")  # pragma: no cover
@@ -260,6 +301,8 @@ def encode_batch(batch: OutputBatch) -> bytes:
     body: dict[str, Any] = {"rank": batch.rank}
     if batch.seq is not None:
         body["seq"] = batch.seq
+    if batch.epoch is not None:
+        body["epoch"] = batch.epoch
     if batch.outputs:
         body["outputs"] = [
             {"id": o.request_id, "body": o.body, "finish": o.finish} for o in batch.outputs
@@ -336,41 +379,85 @@ def _reply(item: Any) -> Reply:
     return Reply(call=call, result=result)
 
 
+def _array(m: Mapping[str, Any], key: str) -> list[Any] | None:
+    raw = m.get(key)
+    if raw is None or type(raw) is list:
+        return raw
+    raise ProtocolError(f"batch key {key!r} must be an array, got {_kind(raw)}")
+
+
+def _usable_id(item: Any, key: str) -> str | int | None:
+    """The wire id (or call id) a malformed entry still names, if it names one."""
+    if type(item) is not dict:
+        return None
+    if key == "replies":
+        call = item.get("call")
+        return call if type(call) is int and 0 <= call <= INT_MAX else None
+    rid = item.get("id")
+    return rid if type(rid) is str else None
+
+
+def _entries(raw: list[Any], key: str, parse: Any, bad: list[BadEntry]) -> tuple[Any, ...]:
+    """Parse every entry of one array; a malformed one goes to `bad` (§8.5 entry
+    error) instead of failing the batch. The common all-valid case is one `map`."""
+    try:
+        return tuple(map(parse, raw))
+    except ProtocolError:
+        pass
+    good = []
+    for item in raw:
+        try:
+            good.append(parse(item))
+        except ProtocolError as exc:
+            bad.append(BadEntry(key, _usable_id(item, key), exc.cause))
+    return tuple(good)
+
+
+def _finished_id(item: Any) -> str:
+    if type(item) is not str:
+        raise ProtocolError(f"each entry of 'finished' must be a text string, got {_kind(item)}")
+    return item
+
+
 def decode_batch(data: bytes | memoryview) -> OutputBatch:
-    """Decode one output batch as the client receives it."""
+    """Decode one output batch as the client receives it.
+
+    Raises `ProtocolError` for what §8.5 calls a connection error: not §7 CBOR, not a
+    map, `rank` missing, or a known top-level key of the wrong type. A malformed entry
+    of `outputs`, `finished` or `replies` does not fail the batch: it is returned in
+    `bad_entries`, with the id it names if it names one, and the other entries stand.
+    """
     m = cbor.loads(data)
     if type(m) is not dict:
         raise ProtocolError(f"output batch must be a CBOR map, got {_kind(m)}")
     rank = _count(m, "rank", "output batch", required=True)
     assert rank is not None
+    bad: list[BadEntry] = []
     try:
         seq = _count(m, "seq", "output batch")
-        raw = m.get("outputs")
+        epoch = _count(m, "epoch", "output batch")
+        raw = _array(m, "outputs")
+        outputs: tuple[Output, ...] = () if raw is None else _entries(raw, "outputs", _output, bad)
+        raw = _array(m, "finished")
         if raw is None:
-            outputs: tuple[Output, ...] = ()
-        elif type(raw) is list:
-            outputs = tuple(map(_output, raw))
+            finished: tuple[str, ...] = ()
+        elif all(type(item) is str for item in raw):
+            finished = tuple(raw)
         else:
-            raise ProtocolError(f"batch key 'outputs' must be an array, got {_kind(raw)}")
-        raw = m.get("finished")
-        finished = () if raw is None else _texts(raw, "batch key 'finished'")
+            finished = _entries(raw, "finished", _finished_id, bad)
         raw = m.get("load")
         load = None if raw is None else _load(raw)
         wave_complete = _count(m, "wave_complete", "output batch")
         start_wave = _count(m, "start_wave", "output batch")
-        raw = m.get("replies")
-        if raw is None:
-            replies: tuple[Reply, ...] = ()
-        elif type(raw) is list:
-            replies = tuple(map(_reply, raw))
-        else:
-            raise ProtocolError(f"batch key 'replies' must be an array, got {_kind(raw)}")
+        raw = _array(m, "replies")
+        replies: tuple[Reply, ...] = () if raw is None else _entries(raw, "replies", _reply, bad)
         dead = _text(m, "dead", "output batch")
     except ProtocolError as exc:
         raise exc.at(rank=rank) from None
     return OutputBatch(
         rank=rank,
         seq=seq,
+        epoch=epoch,
         outputs=outputs,
         finished=finished,
         load=load,
@@ -378,4 +465,5 @@ def decode_batch(data: bytes | memoryview) -> OutputBatch:
         start_wave=start_wave,
         replies=replies,
         dead=dead,
+        bad_entries=tuple(bad),
     )

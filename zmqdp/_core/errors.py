@@ -6,7 +6,11 @@ log line alone tells an operator which engine to look at.
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 __all__ = [
+    "QUOTE_LIMIT",
     "DuplicateRequestId",
     "EngineDead",
     "GroupClosed",
@@ -19,7 +23,28 @@ __all__ = [
     "RequestAborted",
     "StreamTruncated",
     "ZmqdpError",
+    "quote",
 ]
+
+QUOTE_LIMIT = 200
+"""At most this many characters of a peer's value appear in an error (§8.5)."""
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = _repr.maxlong = QUOTE_LIMIT
+_repr.maxlist = _repr.maxdict = _repr.maxtuple = _repr.maxset = 16
+_repr.maxlevel = 4
+
+
+def quote(value: Any) -> str:
+    """`repr(value)`, cut to `QUOTE_LIMIT` characters. Safe on hostile values: strings
+    are sliced and containers abbreviated *before* they are rendered, so a 16 MiB
+    string costs a slice, not a 16 MiB message."""
+    if type(value) is str or type(value) is bytes:
+        if len(value) > QUOTE_LIMIT:
+            return f"{value[:QUOTE_LIMIT]!r}... ({len(value)} long)"
+        return repr(value)
+    text = _repr.repr(value)
+    return text if len(text) <= QUOTE_LIMIT else f"{text[:QUOTE_LIMIT]}..."
 
 
 def _where(rank: int | None, request_id: str | None) -> str:
@@ -27,7 +52,7 @@ def _where(rank: int | None, request_id: str | None) -> str:
     if rank is not None:
         parts.append(f"rank {rank}")
     if request_id is not None:
-        parts.append(f"request {request_id!r}")
+        parts.append(f"request {quote(request_id)}")
     return ", ".join(parts)
 
 
@@ -39,22 +64,35 @@ class ProtocolError(ZmqdpError):
     """A peer sent bytes or a message that PROTOCOL.md does not allow.
 
     Raised by the codec for any undecodable or invalid body; never anything else.
-    `rank` and `request_id` are filled in by the layer that knows them.
+    `rank` and `request_id` are filled in by the layer that knows them; `message` is
+    the type of message the body claimed to be (`"hello"`, `"ready"` ...) when known.
+    A request whose engine sent a malformed entry for it ends with this error.
     """
 
-    def __init__(self, cause: str, *, rank: int | None = None, request_id: str | None = None):
+    def __init__(
+        self,
+        cause: str,
+        *,
+        rank: int | None = None,
+        request_id: str | None = None,
+        message: str | None = None,
+    ):
         self.cause = cause
         self.rank = rank
         self.request_id = request_id
+        self.message = message
         where = _where(rank, request_id)
         super().__init__(f"{where}: {cause}" if where else cause)
 
-    def at(self, rank: int | None = None, request_id: str | None = None) -> ProtocolError:
-        """The same error, placed at a rank and/or request."""
+    def at(
+        self, rank: int | None = None, request_id: str | None = None, message: str | None = None
+    ) -> ProtocolError:
+        """The same error, placed at a rank, request and/or message type."""
         return ProtocolError(
             self.cause,
             rank=self.rank if rank is None else rank,
             request_id=self.request_id if request_id is None else request_id,
+            message=self.message if message is None else message,
         )
 
 
@@ -64,7 +102,7 @@ class InvalidRequest(ZmqdpError, ValueError):
     def __init__(self, request_id: str, cause: str):
         self.request_id = request_id
         self.cause = cause
-        super().__init__(f"request {request_id!r} cannot be sent: {cause}")
+        super().__init__(f"request {quote(request_id)} cannot be sent: {cause}")
 
 
 class DuplicateRequestId(ZmqdpError, ValueError):
@@ -75,7 +113,7 @@ class DuplicateRequestId(ZmqdpError, ValueError):
         self.rank = rank
         on = f" on rank {rank}" if rank is not None else ""
         super().__init__(
-            f"request {request_id!r} is already live{on}; wait for it to end or abort it first"
+            f"request {quote(request_id)} is already live{on}; wait for it to end or abort it first"
         )
 
 
@@ -87,7 +125,7 @@ class InvalidRank(ZmqdpError, ValueError):
         self.size = size
         self.request_id = request_id
         self.cause = cause
-        req = f" (request {request_id!r})" if request_id is not None else ""
+        req = f" (request {quote(request_id)})" if request_id is not None else ""
         super().__init__(f"rank {rank}{req}: {cause}")
 
 
@@ -98,7 +136,7 @@ class NoEngineAvailable(ZmqdpError):
         self.request_id = request_id
         self.size = size
         super().__init__(
-            f"request {request_id!r}: none of the {size} ranks is up; "
+            f"request {quote(request_id)}: none of the {size} ranks is up; "
             "wait for a rank to rejoin and submit again"
         )
 
@@ -141,7 +179,7 @@ class GroupClosed(ZmqdpError):
     def __init__(self, cause: str = "the engine group is closed", request_id: str | None = None):
         self.cause = cause
         self.request_id = request_id
-        super().__init__(f"request {request_id!r}: {cause}" if request_id else cause)
+        super().__init__(f"request {quote(request_id)}: {cause}" if request_id else cause)
 
 
 class RequestAborted(ZmqdpError):
@@ -150,7 +188,7 @@ class RequestAborted(ZmqdpError):
     def __init__(self, rank: int, request_id: str):
         self.rank = rank
         self.request_id = request_id
-        super().__init__(f"rank {rank}, request {request_id!r}: aborted by the client")
+        super().__init__(f"rank {rank}, request {quote(request_id)}: aborted by the client")
 
 
 class StreamTruncated(ZmqdpError):

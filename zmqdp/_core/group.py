@@ -4,60 +4,103 @@ Theory of operation
 -------------------
 `GroupCore` ties together the routing state, the request lifecycle, the wave clock
 (lockstep groups only) and per-rank health. The trio layer feeds it events with the
-current time and carries out what it returns; it never decides anything itself.
+current time and carries out what it returns.
 
-Per output batch, in this order (the order matters, see each module):
+The submit path (`submit`), in this order:
 
-1. the batch's `rank` must equal the sender's identity, else it is a protocol error;
-2. the load snapshot is stored (seq-aware, `Routing.observe_load`);
-3. wave events are applied: `wave_complete` folds the clock, `start_wave` folds it and
+1. validate the application id (a non-empty string of at most `MAX_ID_LENGTH`
+   characters with a UTF-8 form) and the pinned rank (an int or None);
+2. take a fresh wire id (§8.1) and encode the ADD; any failure to encode raises
+   `InvalidRequest` before anything is registered or reserved;
+3. register and reserve (`RequestBook.submit`: a live duplicate raises first);
+4. refuse an ADD larger than the chosen rank's `max_message_size` (§8.4), rolling the
+   reservation back: the caller gets `InvalidRequest`, nothing is sent or kept;
+5. hand back the rank, the wire id and the frames to send.
+
+Per output message (`on_message`), in this order (the order matters, see each module):
+
+1. the identity must name a rank; a message with the wrong frame count from a rank is a
+   *connection error* (§8.5): the rank is dead at once;
+2. a message from a rank that is not up is stale: counted, nothing else;
+3. the body is decoded; any failure of the batch as a whole is a connection error;
+4. a batch whose `epoch` is not the rank's current one is stale (§8.2): counted, never
+   applied (no outputs, no load, no seq, no dead, and it does not count as heard);
+5. malformed entries end the requests they name with a protocol error (§8.5 entry
+   errors), so that request's other entries in the batch are then late;
+6. the load snapshot is stored (seq-aware, `Routing.observe_load`);
+7. wave events are applied: `wave_complete` folds the clock, `start_wave` folds it and
    asks for a WAKE to every rank (`BatchResult.wake`);
-4. outputs are routed to their requests;
-5. terminal outputs and `finished` ids end their requests;
-6. their slots are released (`RequestBook.apply_batch` does 4-6);
-7. a `dead` announcement is applied last, after everything else the batch carried.
+8. outputs are routed, terminal outputs and `finished` ids end their requests, their
+   slots are released (`RequestBook.apply_batch`);
+9. a `dead` announcement is applied last, after everything else the batch carried.
 
-Health, per rank (PROTOCOL.md §6): a rank is declared dead when it announces `dead`,
-says HELLO again, sends `max_decode_errors` undecodable or invalid batches in a row,
-fails a send, or holds requests and stays silent past `silence_timeout`. Silence is
-measured from the later of its last batch and the moment it went from holding nothing
-to holding something, so an idle rank is never "silent". In a lockstep group a rank
-that reports waiting work and makes no output for `stall_timeout` is sent WAKE(c)
-again (never above the clock, so always safe); `stall_wakes` counts these, because a
-correct group never needs one.
+Health, per rank (PROTOCOL.md §6, §8.5, §8.6): a rank is declared dead when it
+announces `dead`, says HELLO again, sends one message that is not a valid batch, fails
+a send, or holds requests and stays silent past `silence_timeout`. Silence is measured
+from the later of its last batch and the moment it went from holding nothing to holding
+something, so an idle rank is never "silent". In a lockstep group, a rank that holds
+requests, reports waiting work and delivers no output for `stall_timeout` (measured
+from the later of its last output and the moment it started holding requests) makes the
+client send WAKE(c) again (never above the clock, so always safe; `stall_wakes` counts
+these, because a correct group never needs one). If it then delivers no output for
+`silence_timeout`, it is dead ("no progress"), even if it keeps sending load reports.
 
 Death of a rank ends its requests with FAILED. Whether the whole group then fails
-(lockstep) or only that rank leaves selection (independent) is the caller's policy;
-`fail_all` ends everything for the first case.
+(lockstep) or only that rank leaves selection (independent) is decided by `rank_dead`,
+which says so in its result.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
-from .codec import decode_batch
-from .errors import ProtocolError
-from .messages import Reply
+from .codec import decode_batch, encode_request
+from .errors import InvalidRequest, ProtocolError, quote
+from .handshake import identity_rank
+from .messages import Add, BadEntry, OutputBatch, Reply
 from .requests import BatchEffects, Ended, Outcome, RequestBook
 from .routing import Routing
 from .waves import WaveClock
 
-__all__ = ["BatchResult", "GroupCore", "RankHealth"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_SIZE",
+    "MAX_ID_LENGTH",
+    "BatchResult",
+    "GroupCore",
+    "RankHealth",
+    "Submitted",
+]
 
 H = TypeVar("H")
+
+DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+"""PROTOCOL.md §1 and §8.4: what a peer accepts unless it says otherwise."""
+
+MAX_ID_LENGTH = 512
+"""Longest application id accepted, in characters: ids appear in every log line."""
 
 
 @dataclass(slots=True)
 class RankHealth:
     up: bool = False
+    epoch: int | None = None
+    """The current incarnation's epoch (§8.2); None for a revision-1 engine."""
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     last_heard: float = 0.0
-    decode_errors_in_a_row: int = 0
-    protocol_errors: int = 0
     last_output: float = 0.0
-    stall_woken: bool = False
+    stall_woken_at: float | None = None
+    protocol_errors: int = 0
     batches: int = 0
+
+
+class Submitted(NamedTuple):
+    """What `GroupCore.submit` decided: send `frames` to `rank`."""
+
+    rank: int
+    wire_id: str
+    frames: tuple[bytes, bytes]
 
 
 @dataclass(slots=True)
@@ -68,10 +111,12 @@ class BatchResult(Generic[H]):
     wake: int | None = None
     """Send WAKE(wake) to every rank."""
     replies: tuple[Reply, ...] = ()
+    bad_replies: tuple[tuple[int, str], ...] = ()
+    """(call id, cause) of malformed reply entries: fail those calls."""
     dead: str | None = None
-    """The rank is dead, for this reason: call `rank_dead` (and apply the policy)."""
+    """The rank is dead, for this reason: call `rank_dead`."""
     error: ProtocolError | None = None
-    """The message was rejected (counted); it did nothing else."""
+    """What was wrong with the message, to log (counted already)."""
 
 
 @dataclass(slots=True)
@@ -81,8 +126,11 @@ class GroupCounters:
     truncated: int = 0
     aborted: int = 0
     rolled_back: int = 0
+    protocol_failed: int = 0
     failed: int = 0
     protocol_errors: int = 0
+    malformed_entries: int = 0
+    stale_messages: int = 0
     late_outputs: int = 0
     unknown_outputs: int = 0
     wakes: int = 0
@@ -93,6 +141,7 @@ class GroupCounters:
             Outcome.TRUNCATED: "truncated",
             Outcome.ABORTED: "aborted",
             Outcome.ROLLED_BACK: "rolled_back",
+            Outcome.PROTOCOL_ERROR: "protocol_failed",
             Outcome.FAILED: "failed",
         }
     )
@@ -103,8 +152,46 @@ class GroupCounters:
             setattr(self, name, getattr(self, name) + 1)
 
 
+def check_request_id(request_id: Any) -> str:
+    """Return `request_id` if it is a usable application id, else raise
+    `InvalidRequest` saying why."""
+    if type(request_id) is not str:
+        raise InvalidRequest(
+            quote(request_id), f"the id must be a str, got {type(request_id).__name__}"
+        )
+    if not request_id:
+        raise InvalidRequest(request_id, "the id must not be empty")
+    if len(request_id) > MAX_ID_LENGTH:
+        raise InvalidRequest(
+            request_id, f"the id is {len(request_id)} characters long; at most {MAX_ID_LENGTH}"
+        )
+    try:
+        request_id.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            request_id, f"the id has no UTF-8 form (lone surrogate at {exc.start})"
+        ) from None
+    return request_id
+
+
+def check_rank(request_id: str, rank: Any) -> int | None:
+    """A pinned rank must be an int (not a bool, float or string) or None."""
+    if rank is None or type(rank) is int:
+        return rank
+    raise InvalidRequest(
+        request_id, f"rank must be an int or None, got {type(rank).__name__} {quote(rank)}"
+    )
+
+
 class GroupCore(Generic[H]):
-    """Sans-IO state of one engine group; `H` is the trio layer's per-request handle."""
+    """Sans-IO state of one engine group; `H` is the trio layer's per-request handle.
+
+    Each rule that a property test guards is one small method (`_decode`, `_is_stale`,
+    `_fits`), so that tests/mutants.py can break exactly that rule.
+    """
+
+    routing_cls: type[Routing] = Routing
+    book_cls: type[RequestBook[Any]] = RequestBook
 
     def __init__(
         self,
@@ -113,27 +200,45 @@ class GroupCore(Generic[H]):
         lockstep: bool,
         silence_timeout: float = 30.0,
         stall_timeout: float = 5.0,
-        max_decode_errors: int = 3,
         wave: int = 0,
     ) -> None:
         self.size = size
         self.lockstep = lockstep
         self.silence_timeout = silence_timeout
         self.stall_timeout = stall_timeout
-        self.max_decode_errors = max_decode_errors
-        self.routing = Routing(size)
-        self.book: RequestBook[H] = RequestBook(self.routing)
+        self.routing = self.routing_cls(size)
+        self.book: RequestBook[H] = self.book_cls(self.routing)
         self.clock: WaveClock | None = WaveClock(wave) if lockstep else None
         self.health = [RankHealth() for _ in range(size)]
         self.counters = GroupCounters()
 
     # -- ranks ------------------------------------------------------------------------
 
-    def rank_up(self, rank: int, now: float, hello_wave: int | None = None) -> None:
+    def rank_up(
+        self,
+        rank: int,
+        now: float,
+        *,
+        epoch: int | None = None,
+        hello_wave: int | None = None,
+        max_message_size: int | None = None,
+    ) -> None:
+        """A new incarnation of `rank` finished its handshake."""
         self.book.rank_up(rank)
-        self.health[rank] = RankHealth(up=True, last_heard=now, last_output=now)
+        self.health[rank] = RankHealth(
+            up=True,
+            epoch=epoch,
+            max_message_size=DEFAULT_MAX_MESSAGE_SIZE
+            if max_message_size is None
+            else max_message_size,
+            last_heard=now,
+            last_output=now,
+        )
         if self.clock is not None:
             self.clock.observe_hello(hello_wave)
+
+    def is_up(self, rank: int) -> bool:
+        return 0 <= rank < self.size and self.health[rank].up
 
     def rank_dead(self, rank: int, cause: str) -> list[Ended[H]]:
         """Declare `rank` dead: end what it held. Idempotent."""
@@ -153,22 +258,45 @@ class GroupCore(Generic[H]):
 
     # -- submit path ------------------------------------------------------------------
 
-    def submit(self, request_id: str, handle: H, rank: int | None, now: float) -> int:
-        """Register and reserve (see `RequestBook.submit`); returns the rank."""
-        chosen = self.book.submit(request_id, handle, rank)
-        self.counters.submitted += 1
-        if self.routing.inflight_count(chosen) == 1:  # it held nothing: silence starts now
-            self.health[chosen].last_heard = now
-        return chosen
+    def submit(self, request_id: Any, body: Any, handle: H, rank: Any, now: float) -> Submitted:
+        """Validate, encode, register and reserve (module docstring, steps 1-5).
 
-    def rollback(self, request_id: str, handle: H, cause: str) -> Ended[H] | None:
-        ended = self.book.rollback(request_id, handle, cause)
-        if ended is not None:
-            self.counters.count((ended,))
-        return ended
+        Raises `InvalidRequest`, `DuplicateRequestId`, `InvalidRank` or
+        `NoEngineAvailable`; after any of them nothing is registered or reserved.
+        """
+        request_id = check_request_id(request_id)
+        pinned = check_rank(request_id, rank)
+        wire_id = self.book.new_wire_id(request_id)
+        try:
+            frames = encode_request(Add(wire_id, body))
+        except ProtocolError as exc:
+            self.counters.rolled_back += 1
+            raise InvalidRequest(request_id, exc.cause) from None
+        chosen = self.book.submit(request_id, wire_id, handle, pinned)
+        if not self._fits(chosen, frames):
+            self.book.rollback(request_id, handle, "too large")
+            self.counters.rolled_back += 1
+            raise InvalidRequest(
+                request_id,
+                f"the ADD is {len(frames[0]) + len(frames[1])} bytes, more than rank "
+                f"{chosen} accepts ({self.health[chosen].max_message_size} bytes, its "
+                "max_message_size)",
+            )
+        self.counters.submitted += 1
+        if self.routing.inflight_count(chosen) == 1:  # it held nothing: the clocks start now
+            health = self.health[chosen]
+            health.last_heard = now
+            health.last_output = now
+            health.stall_woken_at = None
+        return Submitted(chosen, wire_id, frames)
+
+    def _fits(self, rank: int, frames: tuple[bytes, bytes]) -> bool:
+        """§8.4: the engine accepts a message this large."""
+        return len(frames[0]) + len(frames[1]) <= self.health[rank].max_message_size
 
     def abort(self, request_id: str, handle: H | None = None) -> Ended[H] | None:
-        """End a request from the client side; send ABORT to `Ended.rank`."""
+        """End a request from the client side; send ABORT of `Ended.wire_id` to
+        `Ended.rank`."""
         ended = self.book.abort(request_id, handle)
         if ended is not None:
             self.counters.count((ended,))
@@ -183,24 +311,61 @@ class GroupCore(Generic[H]):
 
     # -- dispatcher -------------------------------------------------------------------
 
+    def on_message(self, frames: list[bytes], now: float) -> tuple[int | None, BatchResult[H]]:
+        """One message from the output ROUTER: `[identity, body]`. Returns the rank it
+        came from (None if the identity names none) and what to do."""
+        rank = identity_rank(frames[0]) if frames else None
+        if rank is None or rank >= self.size:
+            self.counters.protocol_errors += 1
+            who = frames[0].hex() if frames else "?"
+            return None, BatchResult(
+                error=ProtocolError(f"output: a message from identity {who}, which is no rank")
+            )
+        if len(frames) != 2:
+            if not self.health[rank].up:
+                self.counters.stale_messages += 1
+                return rank, BatchResult()
+            return rank, self._connection_error(
+                rank, ProtocolError(f"a message of {len(frames) - 1} frames, not 1")
+            )
+        return rank, self.on_batch(rank, frames[1], now)
+
     def on_batch(self, rank: int, body: bytes, now: float) -> BatchResult[H]:
-        """One output message from identity `rank` (already checked to be in range)."""
+        """One output batch body from identity `rank` (already checked to be in range)."""
         health = self.health[rank]
         if not health.up:
-            self.counters.unknown_outputs += 1
+            self.counters.stale_messages += 1
             return BatchResult()
-        health.last_heard = now
-        health.batches += 1
         try:
-            batch = decode_batch(body)
+            batch = self._decode(body)
             if batch.rank != rank:
                 raise ProtocolError(
                     f"batch says rank {batch.rank} but was sent by identity rank {rank}"
                 )
         except ProtocolError as exc:
-            return self._protocol_error(rank, exc)
-        health.decode_errors_in_a_row = 0
+            return self._connection_error(rank, exc)
+        if self._is_stale(health, batch):
+            self.counters.stale_messages += 1
+            return BatchResult()
+        return self._apply(rank, health, batch, now)
+
+    def _decode(self, body: bytes) -> OutputBatch:
+        """Raises `ProtocolError` only for a connection error (§8.5)."""
+        return decode_batch(body)
+
+    def _is_stale(self, health: RankHealth, batch: OutputBatch) -> bool:
+        """§8.2: a batch of another incarnation (a body without an epoch is current)."""
+        return batch.epoch is not None and batch.epoch != health.epoch
+
+    def _apply(
+        self, rank: int, health: RankHealth, batch: OutputBatch, now: float
+    ) -> BatchResult[H]:
+        health.last_heard = now
+        health.batches += 1
         result: BatchResult[H] = BatchResult(replies=batch.replies)
+        fx: BatchEffects[H] | None = None
+        if batch.bad_entries:
+            fx, result.bad_replies = self._bad_entries(rank, batch.bad_entries)
         if batch.load is not None:
             self.routing.observe_load(rank, batch.load, batch.seq)
         clock = self.clock
@@ -211,67 +376,93 @@ class GroupCore(Generic[H]):
                 result.wake = clock.start_wave(batch.start_wave)
                 self.counters.wakes += 1
         if batch.outputs or batch.finished:
-            fx = self.book.apply_batch(rank, batch.outputs, batch.finished)
-            if fx.deliveries:
-                health.last_output = now
-                health.stall_woken = False
-            self.counters.count(fx.ended)
+            fx = self.book.apply_batch(rank, batch.outputs, batch.finished, fx)
             self.counters.late_outputs += fx.late
             self.counters.unknown_outputs += fx.unknown
+        if fx is not None:
+            if fx.deliveries or fx.ended:
+                health.last_output = now
+                health.stall_woken_at = None
+            self.counters.count(fx.ended)
             result.effects = fx
         if batch.dead is not None:
-            result.dead = f"announced dead: {batch.dead}"
+            result.dead = f"announced dead: {quote(batch.dead)}"
         return result
 
-    def _protocol_error(self, rank: int, exc: ProtocolError) -> BatchResult[H]:
+    def _bad_entries(
+        self, rank: int, bad: tuple[BadEntry, ...]
+    ) -> tuple[BatchEffects[H], tuple[tuple[int, str], ...]]:
+        """§8.5 entry errors: end each request a malformed entry names; count the rest."""
+        fx: BatchEffects[H] = BatchEffects()
+        calls = []
+        self.counters.malformed_entries += len(bad)
+        self.health[rank].protocol_errors += len(bad)
+        for entry in bad:
+            cause = f"malformed entry of {entry.key!r}: {entry.cause}"
+            if entry.key == "replies":
+                if type(entry.id) is int:
+                    calls.append((entry.id, cause))
+            elif type(entry.id) is str:
+                ended = self.book.fail_entry(rank, entry.id, cause)
+                if ended is not None:
+                    fx.ended.append(ended)
+        return fx, tuple(calls)
+
+    def _connection_error(self, rank: int, exc: ProtocolError) -> BatchResult[H]:
         health = self.health[rank]
-        health.decode_errors_in_a_row += 1
         health.protocol_errors += 1
         self.counters.protocol_errors += 1
         error = exc.at(rank=rank)
-        result: BatchResult[H] = BatchResult(error=error)
-        if health.decode_errors_in_a_row >= self.max_decode_errors:
-            result.dead = (
-                f"{health.decode_errors_in_a_row} invalid batches in a row (last: {exc.cause})"
-            )
-        return result
+        return BatchResult(error=error, dead=f"invalid message (connection error): {exc.cause}")
 
     # -- time -------------------------------------------------------------------------
+
+    def _deadlines(self, rank: int) -> tuple[float, float]:
+        """(silence or no-progress deadline, stall deadline) of an up rank that holds
+        requests."""
+        health = self.health[rank]
+        dead_at = health.last_heard + self.silence_timeout
+        stall_at = math.inf
+        if self.lockstep:
+            if health.stall_woken_at is not None:
+                dead_at = min(dead_at, health.stall_woken_at + self.silence_timeout)
+            elif self.routing.load(rank).waiting:
+                stall_at = health.last_output + self.stall_timeout
+        return dead_at, stall_at
 
     def next_deadline(self) -> float:
         """The earliest time `on_timeout` has something to do (inf: nothing)."""
         deadline = math.inf
         for rank, health in enumerate(self.health):
-            if not health.up or not self.routing.inflight_count(rank):
-                continue
-            deadline = min(deadline, health.last_heard + self.silence_timeout)
-            if self.lockstep and not health.stall_woken and self.routing.load(rank).waiting:
-                deadline = min(deadline, health.last_output + self.stall_timeout)
+            if health.up and self.routing.inflight_count(rank):
+                deadline = min(deadline, *self._deadlines(rank))
         return deadline
 
     def on_timeout(self, now: float) -> tuple[list[tuple[int, str]], int | None]:
-        """Deaths by silence, and (lockstep) a WAKE for stalled ranks."""
+        """Deaths by silence or (lockstep) no progress, and a WAKE for stalled ranks."""
         dead: list[tuple[int, str]] = []
         wake: int | None = None
         for rank, health in enumerate(self.health):
             held = self.routing.inflight_count(rank)
             if not health.up or not held:
                 continue
-            if now - health.last_heard >= self.silence_timeout:
-                dead.append(
-                    (
-                        rank,
+            dead_at, stall_at = self._deadlines(rank)
+            if now >= dead_at:
+                if now - health.last_heard >= self.silence_timeout:
+                    cause = (
                         f"silent for {now - health.last_heard:.1f} s while holding "
-                        f"{held} request(s) (silence_timeout={self.silence_timeout:g} s)",
+                        f"{held} request(s) (silence_timeout={self.silence_timeout:g} s)"
                     )
-                )
-            elif (
-                self.clock is not None
-                and not health.stall_woken
-                and self.routing.load(rank).waiting
-                and now - health.last_output >= self.stall_timeout
-            ):
-                health.stall_woken = True
+                else:
+                    cause = (
+                        f"no progress: no output for {now - health.last_output:.1f} s while "
+                        f"holding {held} request(s), despite a stall WAKE "
+                        f"(silence_timeout={self.silence_timeout:g} s)"
+                    )
+                dead.append((rank, cause))
+            elif now >= stall_at:
+                assert self.clock is not None
+                health.stall_woken_at = now
                 self.counters.stall_wakes += 1
                 wake = self.clock.wave
         return dead, wake

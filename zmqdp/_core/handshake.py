@@ -1,4 +1,4 @@
-"""The client side of the grouped handshake (PROTOCOL.md §2), as a plain state machine.
+"""The client side of the grouped handshake (PROTOCOL.md §2, §8), as a plain state machine.
 
 Theory of operation
 -------------------
@@ -11,33 +11,46 @@ READY arrives on the handshake socket and REGISTER on the input socket, over dif
 connections, so they may come in either order; a rank is *up* once both have arrived
 after its latest admitted HELLO. The group is ready when all N ranks are up.
 
+Incarnations are named (§8.2). Every admitted HELLO gets a fresh `epoch`, carried in the
+INIT; epochs only grow (from `first_epoch`, which the caller picks at random so that a
+restarted client does not hand out the numbers of its predecessor). The REGISTER must
+echo it: a REGISTER of another epoch comes from a dead incarnation and is stale,
+counted and ignored, so it can never bring up the next one. (A REGISTER without an
+epoch is a revision-1 engine's, taken as current.) The output batches are checked the
+same way by `GroupCore`.
+
 A HELLO is answered with INIT or with REJECT and a reason: a version we do not speak,
 an identity that is not 2 bytes, a `rank` that differs from the identity or is out of
-range, a `size` other than N, or a `lockstep` flag other than the ranks already
-admitted. Rejections are kept (with the identity) so a timeout can name them.
+range, a `size` other than N, a `lockstep` flag other than the ranks already admitted,
+or a body that is not a valid HELLO. An invalid READY is answered with REJECT too,
+naming READY (§8.5), and ends that rank's handshake. Rejections are kept (with the
+identity) so a timeout can name them.
 
 A HELLO from a rank that is already admitted is a **rejoin**, during the handshake or
-after it: that rank's previous incarnation is dead, and its handshake starts over. The
-caller is told (`HelloVerdict.rejoin`) so it can fail what the old incarnation held.
-Two live processes claiming one rank show up as repeated rejoins; `rejoins[rank]`
-counts them so the caller can report it loudly.
+after it, whether the HELLO is admitted or rejected (§8.5): that rank's previous
+incarnation is dead. The caller is told (`HelloVerdict.rejoin`) so it can fail what the
+old incarnation held. Two live processes claiming one rank show up as repeated rejoins;
+`rejoins[rank]` counts them.
 
-Limitation of the protocol, noted rather than papered over: REGISTER carries no token
-of the incarnation that sent it, so a REGISTER from an incarnation that died just after
-sending it can be counted for the next one. The next send then fails or times out and
-the rank is declared dead again, which is safe but slow.
+RESYNC (§8.3). The client asks every rank it is waiting for (one that has not said
+HELLO: at start-up, and after the caller `forget`s a dead rank) to start over, about
+once every `resync_interval` seconds, until it says HELLO: `resync_due(now)` says whom
+to send it to. This is how a restarted client picks up engines that kept running, and
+how an engine whose connection libzmq dropped comes back (the engine recreates its
+sockets on RESYNC).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ProtocolError
+from .errors import ProtocolError, quote
 from .messages import PROTOCOL_VERSION, Hello, Init, Reject
 
-__all__ = ["HandshakeState", "HelloVerdict", "RankPhase", "rank_identity", "identity_rank"]
+__all__ = ["HandshakeState", "HelloVerdict", "RankPhase", "identity_rank", "rank_identity"]
 
 
 def rank_identity(rank: int) -> bytes:
@@ -63,6 +76,11 @@ class _Rank:
     phase: RankPhase = RankPhase.MISSING
     info: dict[str, Any] = field(default_factory=dict)
     wave: int | None = None
+    epoch: int | None = None
+    max_message_size: int | None = None
+    resync: bool = True
+    """Whether to RESYNC this rank while it is MISSING."""
+    last_resync: float = -math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,32 +90,46 @@ class HelloVerdict:
     reply: Init | Reject
     rank: int | None
     rejoin: bool = False
-    """The rank was already admitted: its previous incarnation is dead."""
+    """The rank had been admitted: its previous incarnation is dead."""
 
 
 class HandshakeState:
     """Admits N ranks. Feed it what arrives; it says what to answer and who is up."""
 
-    def __init__(self, size: int, input_address: str, output_address: str) -> None:
+    def __init__(
+        self,
+        size: int,
+        input_address: str,
+        output_address: str,
+        *,
+        first_epoch: int = 1,
+        max_message_size: int | None = None,
+        resync_interval: float = 1.0,
+    ) -> None:
         if size < 1:
             raise ValueError(f"a group needs at least one rank, got {size}")
         self.size = size
         self.input_address = input_address
         self.output_address = output_address
+        self.max_message_size = max_message_size
+        self.resync_interval = resync_interval
         self.lockstep: bool | None = None
         self._ranks = [_Rank() for _ in range(size)]
+        self._next_epoch = first_epoch
         self.rejected: list[str] = []
         self.rejoins = [0] * size
         self.ignored = 0
+        self.stale_registers = 0
 
     # -- events -----------------------------------------------------------------------
 
     def on_hello(self, identity: bytes, hello: Hello | ProtocolError) -> HelloVerdict:
-        """A HELLO (or an undecodable handshake message) from `identity`."""
+        """A HELLO (or a handshake message that failed to decode) from `identity`."""
         who = f"identity {identity.hex() or '(empty)'}"
         rank = identity_rank(identity)
         if isinstance(hello, ProtocolError):
-            return self._reject(rank, f"{who}: invalid HELLO: {hello.cause}")
+            what = "HELLO" if hello.message in (None, "hello") else quote(hello.message)
+            return self._reject(rank, f"{who}: invalid {what}: {hello.cause}")
         if hello.version != PROTOCOL_VERSION:
             return self._reject(
                 rank,
@@ -127,36 +159,85 @@ class HandshakeState:
             )
         if self.lockstep is None:
             self.lockstep = hello.lockstep
-        state = self._ranks[rank]
-        rejoin = state.phase is not RankPhase.MISSING
+        rejoin = self._ranks[rank].phase is not RankPhase.MISSING
         if rejoin:
             self.rejoins[rank] += 1
-        self._ranks[rank] = _Rank(RankPhase.INIT_SENT, wave=hello.wave)
-        init = Init(input=self.input_address, output=self.output_address, size=self.size)
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        self._ranks[rank] = _Rank(
+            RankPhase.INIT_SENT,
+            wave=hello.wave,
+            epoch=epoch,
+            max_message_size=hello.max_message_size,
+        )
+        init = Init(
+            input=self.input_address,
+            output=self.output_address,
+            size=self.size,
+            epoch=epoch,
+            max_message_size=self.max_message_size,
+        )
         return HelloVerdict(init, rank, rejoin)
 
-    def on_ready(self, identity: bytes, info: dict[str, Any]) -> bool:
-        """A READY. Returns True if it made its rank up."""
+    def on_ready(self, identity: bytes, ready: dict[str, Any] | ProtocolError) -> bool | Reject:
+        """A READY's info (or the error that made it invalid). Returns True if it made
+        its rank up, False if it was ignored, or the REJECT to answer it with."""
         state = self._state(identity)
+        if isinstance(ready, ProtocolError):
+            rank = identity_rank(identity)
+            if state is not None and state.phase in (RankPhase.INIT_SENT, RankPhase.REGISTERED):
+                assert rank is not None
+                self._ranks[rank] = _Rank()  # that handshake is over; RESYNC will follow
+            reason = f"identity {identity.hex() or '(empty)'}: invalid READY: {ready.cause}"
+            self.rejected.append(reason)
+            return Reject(reason)
         if state is None or state.phase not in (RankPhase.INIT_SENT, RankPhase.REGISTERED):
             self.ignored += 1
             return False
-        state.info = dict(info)
+        state.info = dict(ready)
         state.phase = RankPhase.UP if state.phase is RankPhase.REGISTERED else RankPhase.READY
         return state.phase is RankPhase.UP
 
-    def on_register(self, identity: bytes) -> bool:
+    def on_register(self, identity: bytes, epoch: int | None = None) -> bool:
         """A REGISTER on the input socket. Returns True if it made its rank up."""
         state = self._state(identity)
         if state is None or state.phase not in (RankPhase.INIT_SENT, RankPhase.READY):
             self.ignored += 1
             return False
+        if epoch is not None and epoch != state.epoch:
+            self.stale_registers += 1
+            return False
         state.phase = RankPhase.UP if state.phase is RankPhase.READY else RankPhase.REGISTERED
         return state.phase is RankPhase.UP
 
-    def forget(self, rank: int) -> None:
-        """The rank died after the handshake: it must say HELLO again."""
-        self._ranks[rank] = _Rank()
+    def forget(self, rank: int, *, resync: bool = True) -> None:
+        """The rank died: it must say HELLO again. With `resync`, `resync_due` asks it
+        to, at once and then every `resync_interval` s."""
+        self._ranks[rank] = _Rank(resync=resync)
+
+    def resync_due(self, now: float) -> list[int]:
+        """The ranks to send RESYNC to now; each is then not due for `resync_interval`."""
+        due = []
+        for rank, state in enumerate(self._ranks):
+            if (
+                state.phase is RankPhase.MISSING
+                and state.resync
+                and now - state.last_resync >= self.resync_interval
+            ):
+                state.last_resync = now
+                due.append(rank)
+        return due
+
+    def next_resync(self) -> float:
+        """When `resync_due` next has something to say (inf: never)."""
+        return min(
+            (
+                s.last_resync + self.resync_interval
+                for s in self._ranks
+                if s.phase is RankPhase.MISSING and s.resync
+            ),
+            default=math.inf,
+        )
 
     # -- queries ----------------------------------------------------------------------
 
@@ -165,6 +246,17 @@ class HandshakeState:
 
     def info(self, rank: int) -> dict[str, Any]:
         return self._ranks[rank].info
+
+    def epoch(self, rank: int) -> int | None:
+        """The epoch of the rank's latest admitted HELLO."""
+        return self._ranks[rank].epoch
+
+    def engine_max_message_size(self, rank: int) -> int | None:
+        """What the rank's HELLO said it accepts (None: the default)."""
+        return self._ranks[rank].max_message_size
+
+    def wave(self, rank: int) -> int | None:
+        return self._ranks[rank].wave
 
     def ready(self) -> bool:
         return all(r.phase is RankPhase.UP for r in self._ranks)
@@ -186,5 +278,13 @@ class HandshakeState:
         return self._ranks[rank]
 
     def _reject(self, rank: int | None, reason: str) -> HelloVerdict:
+        """Refuse a HELLO. If its identity names a rank that had been admitted, that
+        rank's previous incarnation is dead (its identity now belongs to this peer)."""
         self.rejected.append(reason)
-        return HelloVerdict(Reject(reason), rank)
+        rejoin = False
+        if rank is not None and 0 <= rank < self.size:
+            rejoin = self._ranks[rank].phase is not RankPhase.MISSING
+            if rejoin:
+                self.rejoins[rank] += 1
+                self._ranks[rank] = _Rank()
+        return HelloVerdict(Reject(reason), rank, rejoin)

@@ -15,6 +15,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
     "Add",
+    "BadEntry",
     "Call",
     "HandshakeMessage",
     "Hello",
@@ -46,16 +47,22 @@ class Hello:
     lockstep: bool
     wave: int | None = None
     version: int = PROTOCOL_VERSION
+    max_message_size: int | None = None
+    """The largest message this engine accepts (§8.4); None: the default, 64 MiB."""
 
 
 @dataclass(frozen=True, slots=True)
 class Init:
-    """client -> engine: the exact input and output addresses to connect to."""
+    """client -> engine: the exact input and output addresses to connect to, and the
+    epoch that names this incarnation (§8.2)."""
 
     input: str
     output: str
     size: int
     version: int = PROTOCOL_VERSION
+    epoch: int | None = None
+    max_message_size: int | None = None
+    """The largest message the client accepts: engines split batches to fit (§8.4)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +81,10 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Register:
-    """engine -> client on the input socket: proves the input route exists."""
+    """engine -> client on the input socket: proves the input route exists. Echoes the
+    INIT's `epoch` so a REGISTER of a dead incarnation cannot bring up the next (§8.2)."""
+
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +175,7 @@ class OutputBatch:
 
     rank: int
     seq: int | None = None
+    epoch: int | None = None
     outputs: tuple[Output, ...] = ()
     finished: tuple[str, ...] = ()
     load: Load | None = None
@@ -172,3 +183,15 @@ class OutputBatch:
     start_wave: int | None = None
     replies: tuple[Reply, ...] = ()
     dead: str | None = None
+    bad_entries: tuple[BadEntry, ...] = ()
+    """Malformed entries of `outputs`, `finished` or `replies` (§8.5 entry errors):
+    filled in by the decoder, never encoded."""
+
+
+class BadEntry(NamedTuple):
+    """One malformed entry of a batch. `id` is the wire id (or, for `replies`, the call
+    id) it names when that much is usable, else None; `cause` says what is wrong."""
+
+    key: str
+    id: str | int | None
+    cause: str

@@ -2,47 +2,49 @@
 
 Theory of operation
 -------------------
+A request has two names. The *application id* is the caller's (`Request.id`): unique
+among live requests, reusable as soon as the request ends, and the only id the API
+shows. The *wire id* is this book's (PROTOCOL.md §8.1): ``f"{app_id}#{serial}"`` with a
+serial that never repeats for the life of the book, so no two requests ever share a
+wire id, even when the application reuses its id right after an abort. Engines only
+ever see wire ids; every output is keyed by one.
+
 A request is *live* from `submit` until it *ends*. It ends along exactly one of these
 paths, whichever comes first; every later arrival of any of them is a no-op:
 
-==============  ===========================================================  ============
+==============  ===========================================================  ==============
 path            trigger                                                      outcome
-==============  ===========================================================  ============
+==============  ===========================================================  ==============
 terminal        an output with a `finish` string, from the rank holding it   FINISHED
-finished        its id in a batch's `finished`, with no client abort         TRUNCATED
+finished        its wire id in a batch's `finished`, with no client abort    TRUNCATED
 abort           `abort()`: the user's abort, or the stream closed early      ABORTED
-rollback        encode, send or wake failed while submitting                 ROLLED_BACK
+rollback        the submit was refused after the reservation (size)          ROLLED_BACK
+entry error     a malformed output entry names its wire id (§8.5)            PROTOCOL_ERROR
 rank death      `rank_down()`: the rank died, rejoined or was declared dead  FAILED
-==============  ===========================================================  ============
+==============  ===========================================================  ==============
 
 Ordering rules the code relies on:
 
-* **Register before reserve.** `submit` rejects a live duplicate id before it touches
-  the routing state. Reserving first would make the duplicate's rollback free the slot
-  of the live request that owns the id (smg_connector.md §3.4).
-* **Outputs follow the owner.** An output or `finished` entry only counts if it comes
-  from the rank the request was sent to. Anything else is counted as stray and dropped.
-* **Ids can be reused, and late outputs must not leak into the new request.** When the
-  client aborts a request it sends ABORT to the rank, and the engine answers with either
-  the request's terminal output (it had already finished) or its id in `finished`. Until
-  that confirmation arrives, outputs for that id from that rank belong to the aborted
-  incarnation, even if the id is live again on the same rank: ZeroMQ keeps each pipe in
-  order, so ABORT reaches the engine before the new ADD, and every old output reaches
-  the client before the new ones. The book counts unconfirmed aborts per (rank, id).
-  An id that has a terminal output in a batch is not looked up again in that batch's
-  `finished` (vLLM-style engines list it in both).
-* **Release by id, from every path.** After routing a batch, every id the batch named
-  as terminal is released on the reporting rank unless it is live there again (a new
-  incarnation). Aborts and rollbacks release their own slot. Release is idempotent by
-  id, so the overlap (an abort and its later confirmation) frees one slot, not two.
-* **Rank death** ends every request the rank held and forgets its unconfirmed aborts:
-  a new incarnation of the rank starts with no state (PROTOCOL.md §2).
+* **Register before reserve.** `submit` rejects a live duplicate application id before
+  it touches the routing state. Reserving first would make the duplicate's rollback
+  free the slot of the live request that owns the id (smg_connector.md §3.4).
+* **Outputs follow the owner.** An output or `finished` entry only counts if it names a
+  live wire id and comes from the rank that request was sent to. Anything else is
+  dropped and counted: *late* if the wire id is one this book issued (the request has
+  ended: an output racing an abort, a confirmation in `finished`), *unknown* otherwise.
+  Because wire ids are never reused, a late output can never reach a newer request,
+  whatever an engine puts in one batch. That is why revision 1's per-(rank, id)
+  "unconfirmed abort" counts are gone.
+* **Release by id, on every path.** A slot is held by wire id and released by the path
+  that ends the request. Release is idempotent by id.
+* **Rank death** ends every request the rank held; a new incarnation of the rank
+  starts with no state (PROTOCOL.md §2).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -62,76 +64,100 @@ class Outcome(enum.Enum):
     TRUNCATED = "truncated"
     ABORTED = "aborted"
     ROLLED_BACK = "rolled back"
+    PROTOCOL_ERROR = "protocol error"
     FAILED = "failed"
 
 
 @dataclass(frozen=True, slots=True)
 class Ended(Generic[H]):
-    """A request that has just ended. `rank` is where it was (or would have been) sent."""
+    """A request that has just ended. `rank` is where it was sent; `request_id` is the
+    application's id and `wire_id` the one the engine knew it by."""
 
     request_id: str
     rank: int
     handle: H
     outcome: Outcome
     cause: str | None = None
+    wire_id: str = ""
 
 
 @dataclass(slots=True)
 class BatchEffects(Generic[H]):
-    """What one output batch did: outputs to deliver in order, then requests that ended."""
+    """What one output batch did: outputs to deliver in order (renamed to the
+    application's id), then requests that ended."""
 
     deliveries: list[tuple[H, Output]] = field(default_factory=list)
     ended: list[Ended[H]] = field(default_factory=list)
     late: int = 0
-    """Outputs or `finished` entries of requests the client had already aborted."""
+    """Entries naming a wire id this book issued for a request that has ended."""
     unknown: int = 0
-    """Outputs or `finished` entries that match no request on that rank."""
+    """Entries naming a wire id that was never issued, or is live on another rank."""
 
 
 @dataclass(slots=True)
 class _Live(Generic[H]):
     rank: int
     handle: H
+    request_id: str
+    wire_id: str
 
 
 class RequestBook(Generic[H]):
-    """Live requests by id, each with the rank it went to and an opaque `handle`
-    (the trio layer's stream). Owns the in-flight reservations in `routing`."""
+    """Live requests by wire id and by application id, each with the rank it went to
+    and an opaque `handle` (the trio layer's stream). Owns the in-flight reservations
+    in `routing`, which are held by wire id."""
 
-    __slots__ = ("_live", "_unconfirmed", "routing")
+    __slots__ = ("_by_app", "_live", "_serial", "routing")
 
     def __init__(self, routing: Routing) -> None:
         self.routing = routing
-        self._live: dict[str, _Live[H]] = {}
-        # rank -> {request id: aborts sent to that rank and not yet confirmed}
-        self._unconfirmed: list[dict[str, int]] = [{} for _ in range(routing.size)]
+        self._live: dict[str, _Live[H]] = {}  # wire id -> entry
+        self._by_app: dict[str, _Live[H]] = {}  # application id -> entry
+        self._serial = 0
 
     def __len__(self) -> int:
         return len(self._live)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._live
+        """Whether an *application* id is live."""
+        return request_id in self._by_app
 
     def live_on(self, rank: int) -> list[str]:
-        """Ids live on `rank` (linear scan; for statistics and tests)."""
-        return [rid for rid, e in self._live.items() if e.rank == rank]
+        """Wire ids live on `rank` (linear scan; for statistics and tests)."""
+        return [wid for wid, e in self._live.items() if e.rank == rank]
 
-    def unconfirmed(self, rank: int) -> dict[str, int]:
-        return dict(self._unconfirmed[rank])
+    def wire_id(self, request_id: str) -> str | None:
+        """The wire id of a live application id."""
+        entry = self._by_app.get(request_id)
+        return None if entry is None else entry.wire_id
 
     # -- client side ------------------------------------------------------------------
 
-    def submit(self, request_id: str, handle: H, rank: int | None = None) -> int:
-        """Register `request_id`, then choose and reserve its rank; return the rank.
+    def new_wire_id(self, request_id: str) -> str:
+        """A wire id for `request_id` that this book has never issued (§8.1)."""
+        serial = self._serial
+        self._serial = serial + 1
+        return f"{request_id}#{serial}"
 
-        Raises `DuplicateRequestId` (nothing reserved) if the id is live, and whatever
-        `Routing.select` raises (`InvalidRank`, `NoEngineAvailable`; nothing kept).
+    def issued(self, wire_id: str) -> bool:
+        """Whether `wire_id` has the form of one this book issued (for counting)."""
+        _, sep, serial = wire_id.rpartition("#")
+        return bool(sep) and serial.isdigit() and int(serial) < self._serial
+
+    def submit(self, request_id: str, wire_id: str, handle: H, rank: int | None = None) -> int:
+        """Register `request_id` under `wire_id`, then choose and reserve its rank.
+
+        Raises `DuplicateRequestId` (nothing reserved) if the application id is live,
+        and whatever `Routing.select` raises (`InvalidRank`, `NoEngineAvailable`;
+        nothing kept).
         """
-        live = self._live.get(request_id)
+        live = self._by_app.get(request_id)
         if live is not None:
             raise DuplicateRequestId(request_id, live.rank)
-        chosen = self.routing.select(request_id, rank)
-        self._live[request_id] = _Live(chosen, handle)
+        chosen = self.routing.select(wire_id, rank, name=request_id)
+        entry = _Live(chosen, handle, request_id, wire_id)
+        self._live[wire_id] = entry
+        self._by_app[request_id] = entry
         return chosen
 
     def abort(
@@ -142,104 +168,96 @@ class RequestBook(Generic[H]):
         outcome: Outcome = Outcome.ABORTED,
         cause: str | None = None,
     ) -> Ended[H] | None:
-        """End a live request from the client side; the caller then sends ABORT to
-        `Ended.rank`. With `handle`, only that incarnation is aborted (a stream closing
-        late must not abort a newer request that reuses its id). Returns None, and the
-        caller sends nothing, if there is nothing live to abort."""
-        entry = self._live.get(request_id)
+        """End a live request from the client side; the caller then sends ABORT of
+        `Ended.wire_id` to `Ended.rank`. With `handle`, only that submission is ended
+        (a stream closing late must not abort a newer request that reuses its id).
+        Returns None, and the caller sends nothing, if there is nothing live to end."""
+        entry = self._by_app.get(request_id)
         if entry is None or (handle is not None and entry.handle is not handle):
             return None
-        del self._live[request_id]
-        pending = self._unconfirmed[entry.rank]
-        pending[request_id] = pending.get(request_id, 0) + 1
-        self.routing.release(entry.rank, (request_id,))
-        return Ended(request_id, entry.rank, entry.handle, outcome, cause)
+        return self._end(entry, outcome, cause)
 
     def rollback(self, request_id: str, handle: H, cause: str) -> Ended[H] | None:
-        """End a request whose ADD never reached the wire (encode or send failed)."""
-        entry = self._live.get(request_id)
-        if entry is None or entry.handle is not handle:
-            return None
-        del self._live[request_id]
-        self.routing.release(entry.rank, (request_id,))
-        return Ended(request_id, entry.rank, entry.handle, Outcome.ROLLED_BACK, cause)
+        """End a request whose ADD never reached the wire."""
+        return self.abort(request_id, handle, outcome=Outcome.ROLLED_BACK, cause=cause)
+
+    def _end(self, entry: _Live[H], outcome: Outcome, cause: str | None) -> Ended[H]:
+        del self._live[entry.wire_id]
+        del self._by_app[entry.request_id]
+        self.routing.release(entry.rank, (entry.wire_id,))
+        return Ended(entry.request_id, entry.rank, entry.handle, outcome, cause, entry.wire_id)
 
     # -- engine side ------------------------------------------------------------------
 
+    def fail_entry(self, rank: int, wire_id: str, cause: str) -> Ended[H] | None:
+        """A malformed entry on `rank` names `wire_id` (§8.5): end that request with a
+        protocol error if it is live there. None (the caller counts it) otherwise."""
+        entry = self._live.get(wire_id)
+        if entry is None or entry.rank != rank:
+            return None
+        return self._end(entry, Outcome.PROTOCOL_ERROR, cause)
+
     def apply_batch(
-        self, rank: int, outputs: Sequence[Output], finished: Sequence[str] = ()
+        self,
+        rank: int,
+        outputs: Sequence[Output],
+        finished: Sequence[str] = (),
+        fx: BatchEffects[H] | None = None,
     ) -> BatchEffects[H]:
         """Route one batch from `rank`: deliver outputs, end terminal and `finished`
-        requests, release their slots."""
-        fx: BatchEffects[H] = BatchEffects()
+        requests, release their slots. Adds to `fx` if given."""
+        if fx is None:
+            fx = BatchEffects()
         live = self._live
-        pending = self._unconfirmed[rank]
-        terminal: set[str] = set()
+        by_app = self._by_app
+        released: list[str] = []
         for out in outputs:
-            rid = out.request_id
-            if pending and rid in pending:
-                fx.late += 1
-                if out.finish is not None:
-                    _confirm(pending, rid)
-                    terminal.add(rid)
-                continue
-            entry = live.get(rid)
+            wid = out.request_id
+            entry = live.get(wid)
             if entry is None or entry.rank != rank:
-                fx.unknown += 1
+                self._stray(fx, wid, entry)
                 continue
-            fx.deliveries.append((entry.handle, out))
+            fx.deliveries.append((entry.handle, Output(entry.request_id, out.body, out.finish)))
             if out.finish is not None:
-                del live[rid]
-                terminal.add(rid)
-                fx.ended.append(Ended(rid, rank, entry.handle, Outcome.FINISHED))
-        for rid in finished:
-            if rid in terminal:
-                continue
-            if pending and rid in pending:
-                fx.late += 1
-                _confirm(pending, rid)
-                continue
-            entry = live.get(rid)
+                del live[wid]
+                del by_app[entry.request_id]
+                released.append(wid)
+                fx.ended.append(
+                    Ended(entry.request_id, rank, entry.handle, Outcome.FINISHED, None, wid)
+                )
+        for wid in finished:
+            entry = live.get(wid)
             if entry is None or entry.rank != rank:
-                fx.unknown += 1
+                self._stray(fx, wid, entry)
                 continue
-            del live[rid]
-            fx.ended.append(Ended(rid, rank, entry.handle, Outcome.TRUNCATED))
-        if terminal or finished:
-            terminal.update(finished)
-            self.routing.release(rank, self._not_live_on(rank, terminal))
+            del live[wid]
+            del by_app[entry.request_id]
+            released.append(wid)
+            fx.ended.append(
+                Ended(entry.request_id, rank, entry.handle, Outcome.TRUNCATED, None, wid)
+            )
+        if released:
+            self.routing.release(rank, released)
         return fx
 
-    def _not_live_on(self, rank: int, ids: Iterable[str]) -> list[str]:
-        live = self._live
-        out = []
-        for rid in ids:
-            entry = live.get(rid)
-            if entry is None or entry.rank != rank:
-                out.append(rid)
-        return out
+    def _stray(self, fx: BatchEffects[H], wire_id: str, entry: _Live[H] | None) -> None:
+        if entry is None and self.issued(wire_id):
+            fx.late += 1
+        else:
+            fx.unknown += 1
 
     # -- rank lifecycle ---------------------------------------------------------------
 
     def rank_down(self, rank: int, cause: str) -> list[Ended[H]]:
         """The rank is gone: end every request it held (FAILED) and forget it."""
-        self._unconfirmed[rank] = {}
         self.routing.take_down(rank)
         ended = []
-        for rid in self.live_on(rank):
-            entry = self._live.pop(rid)
-            ended.append(Ended(rid, rank, entry.handle, Outcome.FAILED, cause))
+        for wid in self.live_on(rank):
+            entry = self._live.pop(wid)
+            del self._by_app[entry.request_id]
+            ended.append(Ended(entry.request_id, rank, entry.handle, Outcome.FAILED, cause, wid))
         return ended
 
     def rank_up(self, rank: int) -> None:
         """A new incarnation of `rank` finished its handshake: select it again."""
-        self._unconfirmed[rank] = {}
         self.routing.set_up(rank)
-
-
-def _confirm(pending: dict[str, int], rid: str) -> None:
-    left = pending[rid] - 1
-    if left:
-        pending[rid] = left
-    else:
-        del pending[rid]

@@ -86,19 +86,20 @@ class Routing:
                 score += load.waiting * KV_WEIGHT * (kv - KV_THRESHOLD)
         return score
 
-    def select(self, request_id: str, rank: int | None = None) -> int:
+    def select(self, request_id: str, rank: int | None = None, *, name: str | None = None) -> int:
         """Choose a rank for `request_id` and reserve it there.
 
         A pinned `rank` is taken as is if it exists and is up (else `InvalidRank`) and
-        does not move the rotation. Raises `NoEngineAvailable` if no rank is up.
+        does not move the rotation. Raises `NoEngineAvailable` if no rank is up. Errors
+        name the request `name` (default: `request_id`).
         """
         if rank is not None:
             if not 0 <= rank < self.size:
                 raise InvalidRank(
-                    rank, self.size, request_id, f"out of range for a group of {self.size}"
+                    rank, self.size, name or request_id, f"out of range for a group of {self.size}"
                 )
             if not self._up[rank]:
-                raise InvalidRank(rank, self.size, request_id, "the rank is down")
+                raise InvalidRank(rank, self.size, name or request_id, "the rank is down")
             self._inflight[rank].add(request_id)
             return rank
         size = self.size
@@ -115,7 +116,7 @@ class Routing:
                 if s < best_score:
                     best, best_score = r, s
         if best < 0:
-            raise NoEngineAvailable(request_id, size)
+            raise NoEngineAvailable(name or request_id, size)
         self._inflight[best].add(request_id)
         return best
 
