@@ -808,3 +808,129 @@ async def test_a_second_reader_of_one_stream_gets_busy_resource_error(tmp_path: 
             assert got == [Output("r", "done", "stop")]
             with pytest.raises(StopAsyncIteration):
                 await stream.__anext__()
+
+
+# -- found by a hostile review of revision 2 ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "serial", ["\u00b2", "9" * 5000, ""], ids=["unicode digit", "5000 digits", "empty"]
+)
+async def test_a_stray_wire_id_of_any_form_is_counted_not_fatal(
+    tmp_path: Path, serial: str
+) -> None:
+    """`int()` refuses Unicode digits and huge strings; the stray check must not."""
+    with trio.fail_after(TIMEOUT):
+        async with group_of(tmp_path, 1) as (group, engines):
+            await engines[0].emit((Output(f"zz#{serial}", 1, "stop"),))
+            await wait_until(lambda: group.statistics().unknown_outputs == 1)
+            assert (await collect(group, Request("ok", 1)))[0].body == 1
+
+
+async def test_a_cancelled_read_can_be_retried_by_the_same_task(tmp_path: Path) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with group_of(tmp_path, 1) as (group, engines):
+            stream = group.submit(Request("r", {"hold": True}))
+            async with stream:
+                await engines[0].wait_for(lambda: engines[0].holds("r"))
+                scope = trio.CancelScope()
+
+                async def cancel_once_parked() -> None:
+                    await trio.testing.wait_all_tasks_blocked()
+                    scope.cancel()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(cancel_once_parked)
+                    with scope:
+                        await stream.__anext__()  # parks, then is cancelled
+                assert scope.cancelled_caught
+                await engines[0].finish("r")
+                assert await stream.__anext__() == Output("r", "done", "stop")
+
+
+async def test_an_abort_queued_just_before_close_reaches_the_engine(tmp_path: Path) -> None:
+    """§8.7: the ABORT of a stream left early, right before the group closes."""
+    url = f"ipc://{tmp_path}/g"
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            [engine] = await start_engines(nursery, url, 1)
+            async with EngineGroup.connect(url, 1, ready_timeout=TIMEOUT) as group:
+                stream = group.submit(Request("r", {"hold": True}))
+                async with stream:
+                    await engine.wait_for(lambda: engine.holds("r"))
+            await engine.wait_for(lambda: any(isinstance(m, Abort) for m in engine.inbox))
+            assert [m.ids for m in engine.inbox if isinstance(m, Abort)] == [(stream.wire_id,)]
+            nursery.cancel_scope.cancel()
+
+
+async def holding_engine(url: str, inbox: list[Any], **kw: Any) -> None:
+    """Rank 0 of 1: holds every request, records every inbound message."""
+    async with connect_engine(url, rank=0, size=1, **kw) as eng:
+        async for msg in eng:
+            inbox.append(msg)
+
+
+async def test_the_aborts_at_close_fit_the_engines_max_message_size(tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/g"
+    inbox: list[Any] = []
+    ids = [f"{i:03d}" + "x" * 400 for i in range(40)]
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(holding_engine, url, inbox, max_message_size=4096))
+            async with EngineGroup.connect(url, 1, ready_timeout=TIMEOUT) as group:
+                streams = [group.submit(Request(i, {"hold": True})) for i in ids]
+                await wait_until(lambda: sum(isinstance(m, Add) for m in inbox) == len(ids))
+            aborted: set[str] = set()
+            await wait_until(
+                lambda: (
+                    aborted.update(i for m in inbox if isinstance(m, Abort) for i in m.ids)
+                    or len(aborted) == len(ids)
+                )
+            )
+            assert aborted == {s.wire_id for s in streams}
+            nursery.cancel_scope.cancel()
+
+
+async def test_unknown_or_malformed_handshake_messages_from_an_up_rank_do_not_kill_it(
+    ctx: Any, tmp_path: Path
+) -> None:
+    """Only an invalid HELLO is a rejoin (§8.5)."""
+    url = f"ipc://{tmp_path}/g"
+    with trio.fail_after(TIMEOUT):
+        async with group_in_background(url, 1) as box:
+            engine = RawEngine(ctx, url, 0, 1)
+            await engine.handshake()
+            group = await box.wait()
+            for body in ({"type": "ping"}, {"type": "register", "epoch": -1}):
+                await engine.hs.send([cbor2.dumps(body)])
+            await wait_until(lambda: group._transport.statistics().ignored_handshake_messages == 2)
+            assert group.engines[0].state is RankState.UP
+            engine.close()
+
+
+async def test_a_peer_that_floods_hellos_and_never_reads_holds_up_nobody(
+    ctx: Any, tmp_path: Path
+) -> None:
+    url = f"ipc://{tmp_path}/g"
+    with trio.fail_after(TIMEOUT):
+        async with group_in_background(url, 1) as box:
+            rogue = ctx.socket(zmq.DEALER)
+            rogue.setsockopt(zmq.LINGER, 0)
+            rogue.setsockopt(zmq.ROUTING_ID, rank_identity(7))
+            rogue.setsockopt(zmq.RCVHWM, 10)
+            rogue.connect(url)
+            hello = cbor2.dumps(
+                {"type": "hello", "version": 1, "rank": 7, "size": 1, "lockstep": False}
+            )
+            rogue.setsockopt(zmq.SNDHWM, 100_000)
+            for _ in range(3000):
+                rogue.send(hello, zmq.NOBLOCK)  # never a blocking zmq call inside trio
+            engine = RawEngine(ctx, url, 0, 1)
+            await engine.handshake()  # answered although the rogue's pipe is full
+            group = await box.wait()
+            state = group._transport.state
+            await wait_until(lambda: state.rejections == 3000)
+            assert group._transport.statistics().dropped_answers > 0  # not waited for
+            assert len(state.rejected) == 64  # the most recent reasons only
+            engine.close()
+            rogue.close()

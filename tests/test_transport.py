@@ -286,7 +286,7 @@ async def test_bad_hellos_are_rejected_and_the_group_still_forms(
             nursery.start_soon(run_engine, ipc_url, 1, 2)
             await ready.wait()
             transport = box["transport"]
-            assert transport.state.ready() and transport.state.rejected == [reply.reason]
+            assert transport.state.ready() and list(transport.state.rejected) == [reply.reason]
             await round_trip(transport)
             nursery.cancel_scope.cancel()
 

@@ -46,7 +46,7 @@ import zmq
 
 from ._addresses import GroupAddress, parse_group_url, prepare_ipc_directory
 from ._core.codec import decode_handshake, encode_handshake
-from ._core.errors import HandshakeTimeout, ProtocolError
+from ._core.errors import HandshakeTimeout, ProtocolError, quote
 from ._core.group import DEFAULT_MAX_MESSAGE_SIZE
 from ._core.handshake import HandshakeState, identity_rank, rank_identity
 from ._core.messages import Hello, Init, Ready, Register, Reject, Resync
@@ -74,6 +74,7 @@ class TransportStatistics:
     ignored_handshake_messages: int
     stale_registers: int
     resyncs: int
+    dropped_answers: int
 
 
 class GroupTransport:
@@ -119,9 +120,8 @@ class GroupTransport:
             max_message_size=max_message_size,
             resync_interval=resync_interval,
         )
-        self.linger_on_close = 0.0
-        """Set by the client when it queued ABORTs at close: how long they may take."""
         self._resyncs = 0
+        self._dropped_answers = 0
         self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
         self.on_rank_up: Callable[[int], None] = _noop
         self.on_rejoin: Callable[[int], None] = _noop
@@ -178,12 +178,19 @@ class GroupTransport:
                         self._resyncs += 1
                 except zmq.ZMQError:
                     pass  # not connected (yet): the next RESYNC may find it
-            for frames in zs.receive_nowait():
-                await self._on_handshake_message(frames)
+            batch = zs.receive_nowait()
+            for frames in batch:
+                self._on_handshake_message(frames)
+            if batch:
+                await trio.lowlevel.checkpoint()  # a flood of HELLOs yields per batch
             with trio.move_on_at(self.state.next_resync()):
                 await zs.wait_readable_or_kicked()
 
-    async def _on_handshake_message(self, frames: list[bytes]) -> None:
+    def _on_handshake_message(self, frames: list[bytes]) -> None:
+        """One message on the handshake socket. HELLO and READY are answered (an invalid
+        one with REJECT naming it, §8.5); a body that claims no type is rejected without
+        touching any rank; anything else (a malformed REGISTER, an unknown type) is
+        counted and ignored: only an invalid HELLO is a rejoin."""
         if len(frames) != 2:
             self.state.ignored += 1
             log.warning(
@@ -197,19 +204,21 @@ class GroupTransport:
             msg: object = decode_handshake(body)
         except ProtocolError as exc:
             msg = exc
-        if isinstance(msg, ProtocolError) and msg.message == "ready":
-            await self._answer_ready(identity, msg)
-        elif isinstance(msg, Hello | ProtocolError):
-            await self._answer_hello(identity, msg)
+        if isinstance(msg, Hello) or (isinstance(msg, ProtocolError) and msg.message == "hello"):
+            self._answer_hello(identity, msg)
         elif isinstance(msg, Ready):
-            await self._answer_ready(identity, dict(msg.info))
+            self._answer_ready(identity, dict(msg.info))
+        elif isinstance(msg, ProtocolError) and msg.message == "ready":
+            self._answer_ready(identity, msg)
+        elif isinstance(msg, ProtocolError) and msg.message is None:
+            reject = self.state.on_invalid(identity, msg)
+            log.warning("handshake: rejected a message: %s", reject.reason)
+            self._answer(identity, reject)
         else:
             self.state.ignored += 1
-            log.warning(
-                "handshake: ignored %s from identity %s", type(msg).__name__, identity.hex()
-            )
+            log.warning("handshake: ignored %s from identity %s", quote(msg), identity.hex())
 
-    async def _answer_hello(self, identity: bytes, hello: Hello | ProtocolError) -> None:
+    def _answer_hello(self, identity: bytes, hello: Hello | ProtocolError) -> None:
         verdict = self.state.on_hello(identity, hello)
         if verdict.rejoin and verdict.rank is not None:
             log.warning(
@@ -222,24 +231,28 @@ class GroupTransport:
             log.info("rank %d: HELLO accepted", verdict.rank)
         if isinstance(verdict.reply, Reject):
             log.warning("handshake: rejected a HELLO: %s", verdict.reply.reason)
-        await self._answer(identity, verdict.reply)
+        self._answer(identity, verdict.reply)
 
-    async def _answer_ready(
-        self, identity: bytes, ready: dict[str, object] | ProtocolError
-    ) -> None:
+    def _answer_ready(self, identity: bytes, ready: dict[str, object] | ProtocolError) -> None:
         verdict = self.state.on_ready(identity, ready)
         if verdict is True:
             self._rank_up(identity)
         elif isinstance(verdict, Reject):
             log.warning("handshake: rejected a READY: %s", verdict.reason)
-            await self._answer(identity, verdict)
+            self._answer(identity, verdict)
 
-    async def _answer(self, identity: bytes, reply: Init | Reject) -> None:
+    def _answer(self, identity: bytes, reply: Init | Reject) -> None:
+        """Answer without waiting: one peer that does not read must not hold up the
+        handshake of the others, so an answer that would block is dropped and counted
+        (that peer's HELLO times out on its side and it says HELLO again)."""
         try:
-            with trio.move_on_after(self.send_timeout):
-                await self.handshake.send([identity, encode_handshake(reply)])
+            if self.handshake.send_nowait([identity, encode_handshake(reply)]):
+                return
+            cause = "its queue is full"
         except zmq.ZMQError as exc:  # the engine vanished between its message and ours
-            log.warning("handshake: could not answer identity %s: %s", identity.hex(), exc)
+            cause = str(exc)
+        self._dropped_answers += 1
+        log.warning("handshake: could not answer identity %s: %s", identity.hex(), cause)
 
     def _rank_up(self, identity: bytes) -> None:
         rank = identity_rank(identity)
@@ -343,17 +356,18 @@ class GroupTransport:
             await self.ranks_changed.wait()
 
     def timeout_error(self, timeout: float) -> HandshakeTimeout:
-        return HandshakeTimeout(self.state.missing(), self.state.rejected, timeout)
+        return HandshakeTimeout(self.state.missing(), list(self.state.rejected), timeout)
 
     def statistics(self) -> TransportStatistics:
         return TransportStatistics(
             handshake=self.handshake.statistics(),
             input=self.input.statistics(),
             output=self.output.statistics(),
-            rejected_hellos=len(self.state.rejected),
+            rejected_hellos=self.state.rejections,
             ignored_handshake_messages=self.state.ignored,
             stale_registers=self.state.stale_registers,
             resyncs=self._resyncs,
+            dropped_answers=self._dropped_answers,
         )
 
     def _close_sockets(self) -> None:
@@ -368,23 +382,22 @@ class GroupTransport:
         self._sockets = []
 
     async def aclose(self) -> None:
-        """Close after the owning tasks have ended, delivering queued ABORTs (§8.7).
+        """Close after the owning tasks have ended, delivering what is still queued on
+        the input socket, such as ABORTs (§8.7): the input socket closes with a LINGER
+        of `CLOSE_LINGER`, the others with none, and the context is terminated in a
+        worker thread (`term()` blocks until the LINGER is over or all is delivered).
 
-        Cancellation: shielded; it takes at most `linger_on_close` seconds."""
-        linger = 0.0
+        Cancellation: shielded; it takes at most `CLOSE_LINGER` seconds."""
         zs = self.input
-        if self.linger_on_close > 0 and zs.queued and not zs.closed:
+        if not zs.closed:
             zs.release()  # its owner, the input task, has ended
             while (frames := zs.pop_queued()) is not None:
                 try:
-                    zs.send_nowait(frames)
+                    if not zs.send_nowait(frames):
+                        break  # that engine's queue is full: the rest is dropped
                 except zmq.ZMQError:
                     continue  # that engine is gone; its requests are over anyway
-            linger = self.linger_on_close
-        zs.close(linger=linger)
-        if linger == 0:
-            self.close()
-            return
+        zs.close(linger=CLOSE_LINGER)
         for other in self._sockets:
             other.close()
         self._sockets = []

@@ -79,7 +79,7 @@ from ._core.errors import (
 from ._core.group import DEFAULT_MAX_MESSAGE_SIZE, GroupCore
 from ._core.messages import Abort, Call, Load, Output, Wake
 from ._core.requests import Ended, Outcome
-from ._transport import CLOSE_LINGER, GroupTransport, open_group_transport
+from ._transport import GroupTransport, open_group_transport
 
 __all__ = [
     "EngineGroup",
@@ -93,7 +93,7 @@ __all__ = [
 
 log = logging.getLogger("zmqdp")
 
-_ABORT_CHUNK = 1024  # wire ids per ABORT at close: keeps each message small
+_ABORT_BUDGET = 64 * 1024  # bytes per ABORT at close: keeps each message small
 
 
 class RankState(enum.Enum):
@@ -243,7 +243,10 @@ class RequestStream:
                     raise self._error
                 raise StopAsyncIteration
             self._waiter = trio.Event()
-            await self._waiter.wait()
+            try:
+                await self._waiter.wait()
+            finally:
+                self._waiter = None  # also when cancelled: the next read may wait again
         return self._buffer.popleft()
 
 
@@ -640,8 +643,16 @@ class EngineGroup:
             if up[e.rank]:
                 by_rank.setdefault(e.rank, []).append(e.wire_id)
         for rank, wire_ids in by_rank.items():
-            for start in range(0, len(wire_ids), _ABORT_CHUNK):
-                chunk = tuple(wire_ids[start : start + _ABORT_CHUNK])
-                self._transport.send(rank, encode_request(Abort(chunk)))
-        if by_rank:
-            self._transport.linger_on_close = CLOSE_LINGER
+            # Each ABORT must fit what the engine accepts (§8.4), or it drops it.
+            budget = min(self._core.health[rank].max_message_size, _ABORT_BUDGET) - 16
+            chunk: list[str] = []
+            size = 0
+            for wid in wire_ids:
+                cost = len(wid.encode()) + 9  # the string and its longest CBOR head
+                if chunk and size + cost > budget:
+                    self._transport.send(rank, encode_request(Abort(tuple(chunk))))
+                    chunk, size = [], 0
+                chunk.append(wid)
+                size += cost
+            if chunk:
+                self._transport.send(rank, encode_request(Abort(tuple(chunk))))

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 
 import cbor2
 
-from .errors import ProtocolError, quote
+from .errors import QUOTE_LIMIT, ProtocolError, quote
 
 __all__ = ["INT_MAX", "INT_MIN", "MAX_DEPTH", "check_value", "dumps", "loads"]
 
@@ -79,7 +79,9 @@ def loads(data: bytes | memoryview) -> Any:
         value = cbor2.CBORDecoder(fp, **_DECODER_OPTIONS).decode()
     except Exception as exc:  # cbor2 wraps its own errors; be total regardless
         cause = exc.__cause__ or exc.__context__
-        detail = f"{exc}: {cause}" if cause is not None and str(cause) not in str(exc) else exc
+        detail = f"{exc}: {cause}" if cause is not None and str(cause) not in str(exc) else str(exc)
+        if len(detail) > QUOTE_LIMIT:  # cbor2 quotes the offending value (a key, a string)
+            detail = f"{detail[:QUOTE_LIMIT]}..."
         raise ProtocolError(f"invalid CBOR body: {detail}") from None
     end = fp.tell()
     if end != len(data):

@@ -44,13 +44,24 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ProtocolError, quote
 from .messages import PROTOCOL_VERSION, Hello, Init, Reject
 
-__all__ = ["HandshakeState", "HelloVerdict", "RankPhase", "identity_rank", "rank_identity"]
+__all__ = [
+    "MAX_REJECTIONS_KEPT",
+    "HandshakeState",
+    "HelloVerdict",
+    "RankPhase",
+    "identity_rank",
+    "rank_identity",
+]
+
+MAX_REJECTIONS_KEPT = 64
+"""How many recent rejection reasons a `HandshakeTimeout` can name."""
 
 
 def rank_identity(rank: int) -> bytes:
@@ -116,7 +127,9 @@ class HandshakeState:
         self.lockstep: bool | None = None
         self._ranks = [_Rank() for _ in range(size)]
         self._next_epoch = first_epoch
-        self.rejected: list[str] = []
+        self.rejected: deque[str] = deque(maxlen=MAX_REJECTIONS_KEPT)
+        """The most recent rejection reasons (bounded: a peer can send any number)."""
+        self.rejections = 0
         self.rejoins = [0] * size
         self.ignored = 0
         self.stale_registers = 0
@@ -179,6 +192,16 @@ class HandshakeState:
         )
         return HelloVerdict(init, rank, rejoin)
 
+    def on_invalid(self, identity: bytes, error: ProtocolError) -> Reject:
+        """A handshake message that claims no type at all: refused, no rank touched."""
+        reason = f"identity {identity.hex() or '(empty)'}: invalid message: {error.cause}"
+        self._rejected(reason)
+        return Reject(reason)
+
+    def _rejected(self, reason: str) -> None:
+        self.rejected.append(reason)
+        self.rejections += 1
+
     def on_ready(self, identity: bytes, ready: dict[str, Any] | ProtocolError) -> bool | Reject:
         """A READY's info (or the error that made it invalid). Returns True if it made
         its rank up, False if it was ignored, or the REJECT to answer it with."""
@@ -189,7 +212,7 @@ class HandshakeState:
                 assert rank is not None
                 self._ranks[rank] = _Rank()  # that handshake is over; RESYNC will follow
             reason = f"identity {identity.hex() or '(empty)'}: invalid READY: {ready.cause}"
-            self.rejected.append(reason)
+            self._rejected(reason)
             return Reject(reason)
         if state is None or state.phase not in (RankPhase.INIT_SENT, RankPhase.REGISTERED):
             self.ignored += 1
@@ -280,7 +303,7 @@ class HandshakeState:
     def _reject(self, rank: int | None, reason: str) -> HelloVerdict:
         """Refuse a HELLO. If its identity names a rank that had been admitted, that
         rank's previous incarnation is dead (its identity now belongs to this peer)."""
-        self.rejected.append(reason)
+        self._rejected(reason)
         rejoin = False
         if rank is not None and 0 <= rank < self.size:
             rejoin = self._ranks[rank].phase is not RankPhase.MISSING

@@ -142,7 +142,15 @@ class RequestBook(Generic[H]):
     def issued(self, wire_id: str) -> bool:
         """Whether `wire_id` has the form of one this book issued (for counting)."""
         _, sep, serial = wire_id.rpartition("#")
-        return bool(sep) and serial.isdigit() and int(serial) < self._serial
+        # ASCII digits only, at most 19 of them: `int()` refuses Unicode digits such as
+        # '²' and (by default) strings of over 4300 digits, and an engine chooses these
+        return (
+            bool(sep)
+            and 0 < len(serial) <= 19
+            and serial.isascii()
+            and serial.isdigit()
+            and int(serial) < self._serial
+        )
 
     def submit(self, request_id: str, wire_id: str, handle: H, rank: int | None = None) -> int:
         """Register `request_id` under `wire_id`, then choose and reserve its rank.

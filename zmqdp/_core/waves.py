@@ -32,6 +32,8 @@ from __future__ import annotations
 
 __all__ = ["WaveClock"]
 
+_WAVE_MAX = 2**63 - 1
+
 
 class WaveClock:
     """Follows the waves a lockstep group reports and says which WAKE to send."""
@@ -58,7 +60,7 @@ class WaveClock:
         """A rank finished wave `wave` and parked at `wave + 1`. Never wakes anyone."""
         self.completes += 1
         if wave + 1 > self._wave:
-            self._wave = wave + 1
+            self._wave = min(wave + 1, _WAVE_MAX)  # a WAKE above 2^63 - 1 is invalid (§8.4)
 
     def start_wave(self, wave: int) -> int:
         """A parked rank got work at `wave`. Returns the wave to WAKE every rank with."""
