@@ -9,7 +9,7 @@ request, as a real engine does. `--requests` consumers read their streams concur
 
 * zmqdp: the dispatcher appends to each request's buffer and wakes each consumer at
   most once per drained batch of messages;
-* baseline: the same client with `RequestStream` delivery swapped for one
+* baseline: the same client with a `RequestStream` subclass that does one
   `trio.open_memory_channel` send per output (the obvious design).
 
 Rounds alternate; the best of each is kept; the ratio is zmqdp / baseline.
@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from zmqdp import EngineGroup, Output, Request
-from zmqdp.group import RequestStream
+from zmqdp.client import RequestStream
 
 
 def engine_main(url: str) -> None:
@@ -61,50 +61,33 @@ def engine_main(url: str) -> None:
     trio.run(main)
 
 
-class ChannelDelivery:
+class ChannelStream(RequestStream):
     """The baseline: one memory-channel send per output, one receive per output."""
 
-    @staticmethod
-    def install() -> dict[str, Any]:
-        saved = {k: getattr(RequestStream, k) for k in ("_push", "_wake", "_end", "__anext__")}
+    __slots__ = ("_rx", "_tx")
 
-        def _push(self: Any, out: Output) -> None:
-            if not hasattr(self, "_chan"):
-                self._chan = trio.open_memory_channel[Any](math.inf)
-            self._chan[0].send_nowait(out)
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._tx, self._rx = trio.open_memory_channel[Output](math.inf)
 
-        def _wake(self: Any) -> None:
-            pass
+    def deliver(self, out: Output) -> None:
+        self._tx.send_nowait(out)
 
-        def _end(self: Any, outcome: Any, error: Any = None) -> None:
-            if not hasattr(self, "_chan"):
-                self._chan = trio.open_memory_channel[Any](math.inf)
-            self._done = True
-            self.outcome = outcome
-            self._chan[0].close()
+    def notify(self) -> None:
+        pass
 
-        async def __anext__(self: Any) -> Output:
-            if not hasattr(self, "_chan"):
-                self._chan = trio.open_memory_channel[Any](math.inf)
-            try:
-                return await self._chan[1].receive()
-            except trio.EndOfChannel:
-                raise StopAsyncIteration from None
+    def finish(self, outcome: Any, error: BaseException | None = None) -> None:
+        super().finish(outcome, error)
+        self._tx.close()
 
-        RequestStream._push = _push  # type: ignore[method-assign]
-        RequestStream._wake = _wake  # type: ignore[method-assign]
-        RequestStream._end = _end  # type: ignore[method-assign]
-        RequestStream.__anext__ = __anext__  # type: ignore[method-assign]
-        return saved
-
-    @staticmethod
-    def restore(saved: dict[str, Any]) -> None:
-        for k, v in saved.items():
-            setattr(RequestStream, k, v)
+    async def receive(self) -> Output:
+        return await self._rx.receive()
 
 
-async def one_round(url: str, requests: int, tokens: int) -> float:
+async def one_round(url: str, requests: int, tokens: int, baseline: bool) -> float:
     async with EngineGroup.connect(url, 1, ready_timeout=30) as group:
+        if baseline:
+            group._for_testing_stream_class = ChannelStream
         # warm-up request so the engine is connected and hot
         async with group.submit(Request("warm", {"tokens": 2})) as s:
             async for _ in s:
@@ -130,12 +113,9 @@ def run(kind: str, directory: str, i: int, requests: int, tokens: int) -> float:
     url = f"ipc://{directory}/{kind}{i}"
     proc = mp.get_context("spawn").Process(target=engine_main, args=(url,), daemon=True)
     proc.start()
-    saved = ChannelDelivery.install() if kind == "channel" else None
     try:
-        return trio.run(one_round, url, requests, tokens)
+        return trio.run(one_round, url, requests, tokens, kind == "channel")
     finally:
-        if saved is not None:
-            ChannelDelivery.restore(saved)
         proc.kill()
         proc.join()
 

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from zmqdp._core.errors import DuplicateRequestId, InvalidRank, InvalidRequest, NoEngineAvailable
-from zmqdp._core.group import GroupCore
+from zmqdp._core.state import GroupCore
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Load
 from zmqdp._core.requests import Outcome

@@ -10,7 +10,7 @@ import cbor2
 import pytest
 
 from zmqdp._core.errors import InvalidRequest
-from zmqdp._core.group import GroupCore
+from zmqdp._core.state import GroupCore
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.requests import Outcome
 

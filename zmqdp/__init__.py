@@ -11,6 +11,8 @@ Engine authors: see `zmqdp.engine`.
 """
 
 from ._core.errors import (
+    CallFailed,
+    CallTimeout,
     DuplicateRequestId,
     EngineDead,
     GroupClosed,
@@ -26,19 +28,21 @@ from ._core.errors import (
 )
 from ._core.messages import Load, Output
 from ._core.requests import Outcome
-from .group import (
+from .client import (
     EngineGroup,
     EngineInfo,
     GroupStatistics,
     RankState,
     RankStatistics,
     Request,
-    RequestStream,
 )
+from .stream import RequestStream
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CallFailed",
+    "CallTimeout",
     "DuplicateRequestId",
     "EngineDead",
     "EngineGroup",

@@ -47,9 +47,9 @@ import zmq
 from ._addresses import GroupAddress, parse_group_url, prepare_ipc_directory
 from ._core.codec import decode_handshake, encode_handshake
 from ._core.errors import HandshakeTimeout, ProtocolError, quote
-from ._core.group import DEFAULT_MAX_MESSAGE_SIZE
 from ._core.handshake import HandshakeState, identity_rank, rank_identity
 from ._core.messages import Hello, Init, Ready, Register, Reject, Resync
+from ._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from ._util import open_service_nursery
 from ._zmq import ZSocket, ZSocketStatistics, is_unreachable
 

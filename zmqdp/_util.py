@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any, TypeVar
 
 import trio
 
 from ._core.errors import ZmqdpError
 
-__all__ = ["open_service_nursery", "single_exception"]
+__all__ = ["NoPublicConstructor", "open_service_nursery", "single_exception"]
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
@@ -82,3 +83,21 @@ async def open_service_nursery() -> AsyncIterator[trio.Nursery]:
             body_exc.add_note(f"zmqdp also failed: {type(internal).__name__}: {internal}")
     if body_exc is not None:
         raise body_exc
+
+
+T = TypeVar("T")
+
+
+class NoPublicConstructor(type):
+    """Metaclass for classes users get from a factory, never build (trio's idiom): the
+    class can be named in annotations and `isinstance`, but calling it raises
+    `TypeError`; the package builds instances with `Class._create(...)`."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"{cls.__module__}.{cls.__qualname__} has no public constructor; "
+            "zmqdp creates it for you"
+        )
+
+    def _create(cls: type[T], *args: Any, **kwargs: Any) -> T:
+        return super().__call__(*args, **kwargs)  # type: ignore[misc, no-any-return]

@@ -11,6 +11,8 @@ from typing import Any
 
 __all__ = [
     "QUOTE_LIMIT",
+    "CallFailed",
+    "CallTimeout",
     "DuplicateRequestId",
     "EngineDead",
     "GroupClosed",
@@ -180,6 +182,27 @@ class GroupClosed(ZmqdpError):
         self.cause = cause
         self.request_id = request_id
         super().__init__(f"request {quote(request_id)}: {cause}" if request_id else cause)
+
+
+class CallTimeout(ZmqdpError, TimeoutError):
+    """`EngineGroup.call` got no reply in time (the reply, if it comes later, is dropped)."""
+
+    def __init__(self, rank: int, method: str, timeout: float):
+        self.rank = rank
+        self.method = method
+        self.timeout = timeout
+        super().__init__(f"rank {rank}: CALL {quote(method)} got no reply in {timeout:g} s")
+
+
+class CallFailed(ZmqdpError):
+    """The engine answered a `call()` with an error, or with a reply entry that was not
+    valid (§8.5); `error` is the engine's text or what was wrong."""
+
+    def __init__(self, rank: int, method: str, error: str):
+        self.rank = rank
+        self.method = method
+        self.error = error
+        super().__init__(f"rank {rank}: CALL {quote(method)} failed on the engine: {quote(error)}")
 
 
 class RequestAborted(ZmqdpError):

@@ -5,8 +5,10 @@ Theory of operation
 Tasks. `EngineGroup.connect` opens a nursery with the handshake task (it answers HELLOs
 for the life of the group, so rejoins work), the input task (the only one that sends
 on the input ROUTER; it also reads REGISTERs) and **one dispatcher task**, which owns
-the output ROUTER and the watchdog deadline. All decisions are made by the sans-IO
-`GroupCore`; these tasks only move bytes and wake consumers.
+the output ROUTER and the watchdog deadline. The sans-IO `GroupCore` (`_core/state.py`)
+decides what a submit, a message or a timeout does; this module carries that out and
+applies the group-level policy (a lockstep group fails whole, an independent one RESYNCs
+its dead rank, one WAKE after a run of ADDs).
 
 The submit path, `EngineGroup.submit`, is synchronous and never blocks:
 
@@ -32,12 +34,11 @@ A message that is not a valid batch kills its rank at once (§8.5 connection err
 malformed entry ends only the request it names, with `ProtocolError`; a batch of a dead
 incarnation (another `epoch`, §8.2) is counted and dropped.
 
-Streams. The dispatcher appends outputs to a per-request buffer and wakes each consumer
-at most once per drained batch of messages, not once per output: waking a trio task
-costs about ten times the decode of an output. A slow consumer only grows its own
-buffer; the dispatcher never waits for it. Leaving a stream's `async with` early (or
-being cancelled inside it) aborts the request on its own rank; that abort is a
-synchronous queue operation, so it cannot be interrupted and needs no shield.
+Streams (`stream.py`). The dispatcher `deliver`s outputs to a per-request buffer and
+`notify`s each consumer at most once per drained batch of messages, not once per output.
+A slow consumer only grows its own buffer; the dispatcher never waits for it. Leaving a
+stream's `async with` early (or being cancelled inside it) calls back into the group,
+which aborts the request on its own rank with a synchronous queue operation.
 
 Failure policy (§6). A dead rank's requests fail with `EngineDead(rank, cause)`. In an
 independent group the rank leaves selection and comes back after a fresh handshake; the
@@ -54,32 +55,32 @@ engines stop generating for a client that is gone.
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import trio
 from trio_util import AsyncValue
 
+from ._calls import PendingCalls
 from ._core.codec import encode_request
 from ._core.errors import (
+    CallTimeout,
     EngineDead,
     GroupClosed,
     InvalidRequest,
     ProtocolError,
     RequestAborted,
     StreamTruncated,
-    ZmqdpError,
 )
-from ._core.group import DEFAULT_MAX_MESSAGE_SIZE, GroupCore
-from ._core.messages import Abort, Call, Load, Output, Wake
+from ._core.messages import Abort, Call, Load, Wake
 from ._core.requests import Ended, Outcome
+from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, GroupCore
 from ._transport import GroupTransport, open_group_transport
+from ._util import NoPublicConstructor
+from .stream import RequestStream
 
 __all__ = [
     "EngineGroup",
@@ -162,96 +163,11 @@ class GroupStatistics:
     """Safety-timeout firings of the socket adapter; 0 in a healthy process."""
 
 
-class RequestStream:
-    """The outputs of one request. Use as `async with` and iterate it.
-
-    Iteration yields `Output`s in order and stops after the terminal one. It raises
-    `EngineDead`, `GroupClosed`, `StreamTruncated` or `RequestAborted` (after yielding
-    every output that arrived first) if the request ends any other way.
-    """
-
-    def __init__(self, group: EngineGroup, request: Request) -> None:
-        self._group = group
-        self.request_id = request.id
-        self.rank = -1
-        self.wire_id = ""
-        """The id the engine knows this request by (PROTOCOL.md §8.1), for its logs."""
-        self._buffer: deque[Output] = deque()
-        self._waiter: trio.Event | None = None
-        self._done = False
-        self._error: BaseException | None = None
-        self.outcome: Outcome | None = None
-
-    # -- the dispatcher's side (sync) -------------------------------------------------
-
-    def _push(self, out: Output) -> None:
-        self._buffer.append(out)
-
-    def _wake(self) -> None:
-        if self._waiter is not None:
-            self._waiter.set()
-            self._waiter = None
-
-    def _end(self, outcome: Outcome, error: BaseException | None = None) -> None:
-        if self._done:
-            return
-        self._done = True
-        self.outcome = outcome
-        self._error = error
-        self._wake()
-
-    # -- the consumer's side ----------------------------------------------------------
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Leaving early aborts the request on its rank and frees its slot, once.
-
-        Cancellation: the abort is a synchronous queue operation; it always happens.
-        """
-        if not self._done:
-            self._group._abort_stream(self)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Output:
-        """The next output.
-
-        Cancellation: if cancelled while waiting, no output is lost and the request
-        stays live (leave the `async with` to abort it). When an output is already
-        buffered it is returned without a schedule point, so a fast stream is not
-        slowed down by one trio checkpoint per token.
-
-        Raises `trio.BusyResourceError` if another task is already waiting on this
-        stream: one stream has one consumer, as a trio channel's receive side.
-        """
-        if self._waiter is not None:
-            raise trio.BusyResourceError(
-                f"request {self.request_id!r}: another task is already reading this stream"
-            )
-        await trio.lowlevel.checkpoint_if_cancelled()
-        while not self._buffer:
-            if self._done:
-                if self._error is not None:
-                    raise self._error
-                raise StopAsyncIteration
-            self._waiter = trio.Event()
-            try:
-                await self._waiter.wait()
-            finally:
-                self._waiter = None  # also when cancelled: the next read may wait again
-        return self._buffer.popleft()
-
-
-class EngineGroup:
+class EngineGroup(metaclass=NoPublicConstructor):
     """The client of one engine group. Create it with `EngineGroup.connect`."""
+
+    _for_testing_stream_class: type[RequestStream] = RequestStream
+    """Tests and benchmarks only: the stream class `submit` makes."""
 
     def __init__(self, transport: GroupTransport, core: GroupCore[RequestStream]) -> None:
         self._transport = transport
@@ -262,8 +178,7 @@ class EngineGroup:
         self._states = [AsyncValue(RankState.UP) for _ in range(core.size)]
         self._wave = AsyncValue(core.clock.wave if core.clock is not None else None)
         self._adds_since_wake = False
-        self._calls: dict[int, tuple[int, trio.Event, list[Any]]] = {}
-        self._call_ids = itertools.count()
+        self._calls = PendingCalls()
 
     # -- connecting -------------------------------------------------------------------
 
@@ -312,7 +227,7 @@ class EngineGroup:
                 stall_timeout=stall_timeout,
                 wave=transport.state.hello_wave(),
             )
-            group = cls(transport, core)
+            group = cls._create(transport, core)
             for rank in range(engines):
                 group._on_rank_up(rank)
             transport.on_rank_up = group._on_rank_up
@@ -358,7 +273,7 @@ class EngineGroup:
         """
         if self._closed is not None:
             raise GroupClosed(self._closed.cause, request_id=str(request.id))
-        stream = RequestStream(self, request)
+        stream = self._for_testing_stream_class._create(request.id, self._close_stream)
         sub = self._core.submit(request.id, request.body, stream, request.rank, trio.current_time())
         stream.rank = sub.rank
         stream.wire_id = sub.wire_id
@@ -375,14 +290,16 @@ class EngineGroup:
         ended = self._core.abort(request_id)
         if ended is not None:
             self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
-            ended.handle._end(Outcome.ABORTED, RequestAborted(ended.rank, request_id))
+            ended.handle.finish(Outcome.ABORTED, RequestAborted(ended.rank, request_id))
         await trio.lowlevel.checkpoint()
 
     async def call(self, rank: int, method: str, *args: Any, timeout: float = 10.0) -> Any:  # noqa: ASYNC109
         """Run a utility method on one rank and return its result.
 
-        Raises `TimeoutError` if no reply comes within `timeout` s, `EngineDead` if the
-        rank dies first, and `ZmqdpError` carrying the engine's error string.
+        Raises `CallTimeout` if no reply comes within `timeout` s, `CallFailed` with the
+        engine's error string (or what was wrong with its reply), `EngineDead` if the
+        rank dies first or is not up, `GroupClosed`, and `InvalidRequest` if the
+        arguments have no CBOR form or the CALL is larger than the rank accepts.
 
         Cancellation: the reply, if it comes later, is dropped.
         """
@@ -390,31 +307,25 @@ class EngineGroup:
             raise GroupClosed(self._closed.cause)
         if not self._core.is_up(rank):
             raise EngineDead(rank, f"CALL {method!r}: the rank is not up")
-        call_id = next(self._call_ids)
+        call_id, pending = self._calls.open(rank, method)
         try:
-            frames = encode_request(Call(call_id, method, tuple(args)))
-        except ProtocolError as exc:
-            raise InvalidRequest(f"CALL {method}", exc.cause) from None
-        limit = self._core.health[rank].max_message_size
-        if len(frames[0]) + len(frames[1]) > limit:
-            raise InvalidRequest(f"CALL {method}", f"larger than rank {rank} accepts ({limit})")
-        done = trio.Event()
-        box: list[Any] = []
-        self._calls[call_id] = (rank, done, box)
-        try:
+            try:
+                frames = encode_request(Call(call_id, method, tuple(args)))
+            except ProtocolError as exc:
+                raise InvalidRequest(f"CALL {method}", exc.cause) from None
+            limit = self._core.health[rank].max_message_size
+            if len(frames[0]) + len(frames[1]) > limit:
+                raise InvalidRequest(
+                    f"CALL {method}", f"larger than rank {rank} accepts ({limit} bytes)"
+                )
             self._transport.send(rank, frames)
             with trio.move_on_after(timeout):
-                await done.wait()
+                await pending.done.wait()
         finally:
-            self._calls.pop(call_id, None)
-        if not box:
-            raise TimeoutError(f"rank {rank}: CALL {method!r} got no reply in {timeout:g} s")
-        kind, value = box[0]
-        if kind == "result":
-            return value
-        if kind == "dead":
-            raise value
-        raise ZmqdpError(f"rank {rank}: CALL {method!r} failed on the engine: {value}")
+            self._calls.forget(call_id)
+        if not pending.done.is_set():
+            raise CallTimeout(rank, method, timeout)
+        return pending.result()
 
     def statistics(self) -> GroupStatistics:
         """A frozen snapshot of per-rank state and the group's counters."""
@@ -459,28 +370,29 @@ class EngineGroup:
 
     # -- internals: streams -----------------------------------------------------------
 
-    def _abort_stream(self, stream: RequestStream) -> None:
+    def _close_stream(self, stream: RequestStream) -> None:
+        """A stream's `async with` ended before its request did: abort it, once."""
         ended = self._core.abort(stream.request_id, stream)
         if ended is not None:
-            stream._end(Outcome.ABORTED)
+            stream.finish(Outcome.ABORTED)
             if self._closed is None:
                 self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
 
     def _end_stream(self, ended: Ended[RequestStream]) -> None:
         stream = ended.handle
         if ended.outcome is Outcome.FINISHED:
-            stream._end(Outcome.FINISHED)
+            stream.finish(Outcome.FINISHED)
         elif ended.outcome is Outcome.TRUNCATED:
-            stream._end(Outcome.TRUNCATED, StreamTruncated(ended.rank, ended.request_id))
+            stream.finish(Outcome.TRUNCATED, StreamTruncated(ended.rank, ended.request_id))
         elif ended.outcome is Outcome.PROTOCOL_ERROR:
-            stream._end(
+            stream.finish(
                 ended.outcome,
                 ProtocolError(
                     ended.cause or "malformed entry", rank=ended.rank, request_id=ended.request_id
                 ),
             )
         else:  # FAILED: the rank died
-            stream._end(
+            stream.finish(
                 ended.outcome, EngineDead(ended.rank, ended.cause or "dead", ended.request_id)
             )
 
@@ -511,33 +423,25 @@ class EngineGroup:
             fx = result.effects
             if fx is not None:
                 for stream, out in fx.deliveries:
-                    stream._push(out)
+                    stream.deliver(out)
                     dirty.add(stream)
                 for ended in fx.ended:
                     self._end_stream(ended)
             if result.wake is not None:
                 self._wake_all(result.wake)
             for reply in result.replies:
-                pending = self._calls.get(reply.call)
-                if pending is not None and pending[0] == rank:
-                    _, done, box = pending
-                    box.append(
-                        ("error", reply.error)
-                        if reply.error is not None
-                        else ("result", reply.result)
-                    )
-                    done.set()
+                if reply.error is not None:
+                    self._calls.fail(reply.call, rank, reply.error)
+                else:
+                    self._calls.settle(reply.call, rank, reply.result)
             for call_id, cause in result.bad_replies:
-                pending = self._calls.get(call_id)
-                if pending is not None and pending[0] == rank:
-                    pending[2].append(("error", cause))
-                    pending[1].set()
+                self._calls.fail(call_id, rank, cause)
             if result.error is not None:
                 log.warning("%s", result.error)
             if result.dead is not None:
                 self._rank_dead(rank, result.dead)
         for stream in dirty:
-            stream._wake()
+            stream.notify()
         clock = core.clock
         if clock is not None and clock.wave != self._wave.value:
             self._wave.value = clock.wave
@@ -600,11 +504,7 @@ class EngineGroup:
             # independent group, RESYNC it until it handshakes again (§8.3), so the
             # rank can come back. Harmless if its process is gone.
             self._transport.forget(rank, resync=not self.lockstep)
-        for call_id, (call_rank, done, box) in list(self._calls.items()):
-            if call_rank == rank:
-                box.append(("dead", EngineDead(rank, cause)))
-                done.set()
-                del self._calls[call_id]
+        self._calls.fail_all(EngineDead(rank, cause), rank)
         if self.lockstep:
             dead = EngineDead(rank, cause)
             self._close(
@@ -629,12 +529,10 @@ class EngineGroup:
                 error: BaseException = EngineDead(ended.rank, dead_cause, ended.request_id)
             else:
                 error = GroupClosed(reason.cause, request_id=ended.request_id)
-            ended.handle._end(Outcome.FAILED, error)
+            ended.handle.finish(Outcome.FAILED, error)
         for rank in range(self.size):
             self._states[rank].value = RankState.DOWN
-        for _, done, box in self._calls.values():
-            box.append(("dead", GroupClosed(reason.cause)))
-            done.set()
+        self._calls.fail_all(GroupClosed(reason.cause))
 
     def _abort_on_engines(self, ended: list[Ended[RequestStream]], up: list[bool]) -> None:
         """§8.7: tell each engine that is still up to drop what it was running for us."""

@@ -1,0 +1,182 @@
+"""`RequestStream`: the outputs of one request, from the dispatcher to one consumer.
+
+Theory of operation
+-------------------
+Two sides, one task each, and no back-reference between stream and group:
+
+* the **dispatcher** (the package side) calls `deliver(output)` for every output of a
+  drained batch of messages, then `notify()` once per stream it delivered to, and
+  `finish(outcome, error)` when the request ends. Nothing here blocks or awaits: a slow
+  consumer only grows its own buffer, and the dispatcher never waits for it. Waking a
+  trio task costs about ten times the decode of an output, hence one `notify()` per
+  batch rather than per output.
+* the **consumer** calls `receive()` (or iterates), `receive_nowait()`, or
+  `receive_batch()` / `drain_nowait()` to take everything buffered at once (a gateway
+  writes several tokens per HTTP write). After the last buffered output they raise
+  `trio.EndOfChannel` for a clean end (the terminal output was delivered), or the error
+  the request ended with.
+
+Leaving the `async with` block, or being cancelled inside it, calls `on_close(stream)`
+exactly once unless the request had already ended: the group then aborts the request on
+its own rank. That call is synchronous (a queue operation), so it cannot be interrupted
+and needs no shield.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from types import TracebackType
+
+import trio
+
+from ._core.messages import Output
+from ._core.requests import Outcome
+from ._util import NoPublicConstructor
+
+__all__ = ["RequestStream"]
+
+
+class RequestStream(metaclass=NoPublicConstructor):
+    """The outputs of one request. Use as `async with` and iterate it.
+
+    Iteration yields `Output`s in order and stops after the terminal one. It raises
+    `EngineDead`, `GroupClosed`, `StreamTruncated`, `RequestAborted` or `ProtocolError`
+    (after yielding every output that arrived first) if the request ends any other way.
+    Made by `EngineGroup.submit`, never directly.
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_done",
+        "_error",
+        "_on_close",
+        "_waiter",
+        "outcome",
+        "rank",
+        "request_id",
+        "wire_id",
+    )
+
+    def __init__(self, request_id: str, on_close: Callable[[RequestStream], None]) -> None:
+        self.request_id = request_id
+        """The application's id (`Request.id`)."""
+        self.rank = -1
+        """The rank the request was sent to."""
+        self.wire_id = ""
+        """The id the engine knows this request by (PROTOCOL.md §8.1), for its logs."""
+        self.outcome: Outcome | None = None
+        """How the request ended; None while it is live."""
+        self._on_close = on_close
+        self._buffer: deque[Output] = deque()
+        self._waiter: trio.Event | None = None
+        self._done = False
+        self._error: BaseException | None = None
+
+    # -- the dispatcher's side (package-internal; synchronous) ------------------------
+
+    def deliver(self, out: Output) -> None:
+        """Buffer one output (call `notify()` once the batch is delivered)."""
+        self._buffer.append(out)
+
+    def notify(self) -> None:
+        """Wake the consumer if it is waiting."""
+        if self._waiter is not None:
+            self._waiter.set()
+            self._waiter = None
+
+    def finish(self, outcome: Outcome, error: BaseException | None = None) -> None:
+        """The request ended (`error` is raised after the buffered outputs); idempotent."""
+        if self._done:
+            return
+        self._done = True
+        self.outcome = outcome
+        self._error = error
+        self.notify()
+
+    # -- the consumer's side ----------------------------------------------------------
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving early aborts the request on its rank and frees its slot, once.
+
+        Cancellation: the abort is a synchronous queue operation; it always happens.
+        """
+        if not self._done:
+            self._on_close(self)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Output:
+        """`receive()`, ending the iteration at the clean end of the stream."""
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    def _end_of_stream(self) -> BaseException:
+        return self._error if self._error is not None else trio.EndOfChannel()
+
+    def receive_nowait(self) -> Output:
+        """The next buffered output. Raises `trio.WouldBlock` if none is buffered yet,
+        and at the end of the stream `trio.EndOfChannel` or the request's error."""
+        if self._buffer:
+            return self._buffer.popleft()
+        if self._done:
+            raise self._end_of_stream()
+        raise trio.WouldBlock
+
+    def drain_nowait(self) -> list[Output]:
+        """Every buffered output, possibly none; at the end of the stream, with nothing
+        left, raises `trio.EndOfChannel` or the request's error."""
+        if self._buffer:
+            out = list(self._buffer)
+            self._buffer.clear()
+            return out
+        if self._done:
+            raise self._end_of_stream()
+        return []
+
+    async def _wait(self) -> None:
+        if self._waiter is not None:
+            raise trio.BusyResourceError(
+                f"request {self.request_id!r}: another task is already reading this stream"
+            )
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._buffer and not self._done:
+            self._waiter = trio.Event()
+            try:
+                await self._waiter.wait()
+            finally:
+                self._waiter = None
+
+    async def receive(self) -> Output:
+        """The next output, waiting for it if needed; `trio.EndOfChannel` after the
+        terminal one, or the error the request ended with.
+
+        Cancellation: if cancelled while waiting, no output is lost and the request
+        stays live (leave the `async with` to abort it). When an output is already
+        buffered it is returned after a cancellation check but without a schedule
+        point, so a fast stream is not slowed down by one trio checkpoint per token.
+
+        Raises `trio.BusyResourceError` if another task is already waiting on this
+        stream: one stream has one consumer, as a trio channel's receive side.
+        """
+        await self._wait()
+        if self._buffer:
+            return self._buffer.popleft()
+        raise self._end_of_stream()
+
+    async def receive_batch(self) -> list[Output]:
+        """Every buffered output (at least one), waiting for the first; at the end
+        `trio.EndOfChannel` or the request's error. Cancellation: as `receive()`."""
+        await self._wait()
+        return self.drain_nowait()
