@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/bench_codec.py
 
-The baseline is what a codec that skipped PROTOCOL.md §7 would pay (cbor2 alone ignores
+The baseline is what a codec that skipped docs/protocol.md §8 would pay (cbor2 alone ignores
 trailing bytes, decodes tags and returns untyped dicts). The ratio is the price of the
-§7 scan plus typed messages; absolute microseconds are printed only as context.
+§8 scan plus typed messages; absolute microseconds are printed only as context.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ Engines are modelled per rank and per incarnation, each with a FIFO inbox (ADD/A
 and a FIFO outbox (output batches). When a rank dies, its incarnation does not vanish:
 it becomes a *zombie* that keeps taking input, emitting for what it holds, and
 delivering its queued batches, all stamped with its old epoch, interleaved in any order
-with the batches of the rank's next incarnation (PROTOCOL.md §8.2). Application ids are
+with the batches of the rank's next incarnation (docs/protocol.md §2.3). Application ids are
 drawn from a set of four, so they are reused all the time, right after aborts and
-while late outputs of their previous submission are still on the way (§8.1).
+while late outputs of their previous submission are still on the way (§3).
 
 Invariants (after every step, and at teardown):
 * every request ends exactly once, with the outcome the model predicts;
@@ -19,9 +19,9 @@ Invariants (after every step, and at teardown):
 * each rank's in-flight set is exactly its live requests (no slot leaks), and a down
   rank holds nothing;
 * an accepted ADD fits the chosen rank's `max_message_size`; a refused one reserves
-  nothing (§8.4);
+  nothing (§1);
 * a malformed entry ends only the request it names, and the rest of its batch stands
-  (§8.5).
+  (§7).
 
 It is a plain module (not a test file) so that `test_mutants.py` can run it against
 deliberately broken variants of the core.
@@ -39,7 +39,13 @@ import cbor2
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from zmqdp._core.errors import DuplicateRequestId, InvalidRank, InvalidRequest, NoEngineAvailable
+from zmqdp._core.errors import (
+    DuplicateRequestId,
+    EngineDead,
+    InvalidRank,
+    InvalidRequest,
+    NoEngineAvailable,
+)
 from zmqdp._core.state import GroupCore
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Load
@@ -277,7 +283,7 @@ class RetirementMachine(RuleBasedStateMachine):
             eng.outbox.append([Event("terminal", wid, handle)])
         elif how == "drop":
             eng.outbox.append([Event("drop", wid, handle)])
-        elif how == "bad":  # a malformed entry that names the request (§8.5)
+        elif how == "bad":  # a malformed entry that names the request (§7)
             eng.outbox.append([Event("output", wid, handle), Event("bad", wid, handle)])
         elif how == "mixed":  # observation 5: a good terminal plus an unusable bad entry
             eng.outbox.append([Event("terminal", wid, handle), Event("bad", None, None)])
@@ -337,7 +343,7 @@ class RetirementMachine(RuleBasedStateMachine):
                 and ev.wire_id not in failed
             )
 
-        # The core ends the requests named by malformed entries first (§8.5).
+        # The core ends the requests named by malformed entries first (§7).
         for ev in events:
             if ev.kind == "bad" and ev.wire_id is not None and live(ev):
                 assert ev.truth is not None
@@ -405,9 +411,12 @@ class RetirementMachine(RuleBasedStateMachine):
         if eng is None:
             return
         expected = {e.handle for e in self.live.values() if e.rank == rank}
-        ended = self.core.rank_dead(rank, "dead: test")
-        assert {e.handle for e in ended} == expected
-        for e in ended:
+        failure = self.core.rank_down(rank, "dead: test")
+        assert failure is not None and failure.closed is None
+        assert failure.forget == rank and failure.resync
+        assert {e.handle for e, _ in failure.ended} == expected
+        for e, error in failure.ended:
+            assert isinstance(error, EngineDead) and error.rank == rank
             self._record_end(e.handle, e.outcome, Outcome.FAILED)
         self.current[rank] = None
         self.zombies.append(eng)

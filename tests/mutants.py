@@ -18,14 +18,14 @@ from zmqdp._core.waves import WaveClock
 
 
 class IgnoresEpoch(GroupCore[Any]):
-    """Applies batches of any incarnation, as revision 1 did (§8.2 broken)."""
+    """Applies batches of any incarnation, as revision 1 did (§2.3 broken)."""
 
     def _is_stale(self, health: RankHealth, batch: OutputBatch) -> bool:
         return False
 
 
 class ReusingWireIdBook(RequestBook[Any]):
-    """Puts the application's id on the wire, as revision 1 did (§8.1 broken)."""
+    """Puts the application's id on the wire, as revision 1 did (§3 broken)."""
 
     def new_wire_id(self, request_id: str) -> str:
         return request_id
@@ -36,7 +36,7 @@ class ReusesWireIds(GroupCore[Any]):
 
 
 class DropsBatchOnBadEntry(GroupCore[Any]):
-    """Treats one malformed entry as a bad batch (§8.5 entry scope broken)."""
+    """Treats one malformed entry as a bad batch (§7 entry scope broken)."""
 
     def _decode(self, body: bytes) -> OutputBatch:
         batch = super()._decode(body)
@@ -46,7 +46,7 @@ class DropsBatchOnBadEntry(GroupCore[Any]):
 
 
 class NoSizeCheck(GroupCore[Any]):
-    """Sends an ADD of any size (§8.4 broken)."""
+    """Sends an ADD of any size (§1 broken)."""
 
     def _fits(self, rank: int, frames: tuple[bytes, bytes]) -> bool:
         return True
@@ -78,7 +78,7 @@ class IgnoresStartWave(WaveClock):
 class BelievedParkedClock(WaveClock):
     """Wakes only after ADDs, and only while it believes the group parked (it has not
     woken the group since the last wave_complete it saw); never answers start_wave.
-    This is SMG #2078's design, which PROTOCOL.md §5 rules out."""
+    This is SMG #2078's design, which docs/protocol.md §5 rules out."""
 
     def __init__(self, start: int = 0) -> None:
         super().__init__(start)

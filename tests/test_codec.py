@@ -1,4 +1,4 @@
-"""The codec: round trips for every message, and PROTOCOL.md §7 enforced on decode."""
+"""The codec: round trips for every message, and docs/protocol.md §8 enforced on decode."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from zmqdp._core.messages import (
     Wake,
 )
 
-# -- values inside the §7 subset ------------------------------------------------------
+# -- values inside the §8 subset ------------------------------------------------------
 
 scalars = (
     st.none()
@@ -148,7 +148,7 @@ def test_unknown_keys_are_ignored() -> None:
     assert decode_handshake(cbor2.dumps(hello)) == Hello(0, 1, False)
 
 
-# -- §7 rejections --------------------------------------------------------------------
+# -- §8 rejections --------------------------------------------------------------------
 
 BAD_BODIES = {
     "tag": cbor2.dumps(cbor2.CBORTag(35, "a+")),
@@ -298,7 +298,7 @@ MALFORMED_ENTRIES: list[tuple[Any, str, str | int | None, str]] = [
 def test_a_malformed_output_entry_spares_the_rest_of_the_batch(
     entry: Any, key: str, named: str | int | None, cause: str
 ) -> None:
-    """§8.5: an entry error is not a connection error."""
+    """§7: an entry error is not a connection error."""
     good = {"id": "a#0", "body": 1, "finish": "stop"}
     batch = decode_batch(
         cbor2.dumps({"rank": 0, "outputs": [good, entry], "finished": ["c#2"], "seq": 4})
@@ -325,7 +325,7 @@ def test_malformed_finished_and_reply_entries_are_reported_with_what_they_name()
     ]
 
 
-def test_integers_are_signed_64_bit_on_the_wire() -> None:  # §8.4
+def test_integers_are_signed_64_bit_on_the_wire() -> None:  # §1
     assert cbor.loads(cbor.dumps(2**63 - 1)) == 2**63 - 1
     assert cbor.loads(cbor.dumps(-(2**63))) == -(2**63)
     for bad in (2**63, -(2**63) - 1, 2**64 - 1):
@@ -354,7 +354,7 @@ def test_handshake_errors_name_the_message_they_claimed_to_be() -> None:
     assert info.value.message == "hello"
 
 
-def test_errors_quote_at_most_200_characters_of_a_hostile_value() -> None:  # §8.5
+def test_errors_quote_at_most_200_characters_of_a_hostile_value() -> None:  # §7
     huge = "x" * (16 << 20)
     with pytest.raises(ProtocolError) as info:
         decode_batch(cbor2.dumps({"rank": 0, "seq": huge}))

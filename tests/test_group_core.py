@@ -9,7 +9,8 @@ from typing import Any
 import cbor2
 import pytest
 
-from zmqdp._core.errors import InvalidRequest
+from zmqdp._core.codec import decode_request
+from zmqdp._core.errors import GroupClosed, InvalidRequest
 from zmqdp._core.state import GroupCore
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.requests import Outcome
@@ -68,7 +69,7 @@ def test_stalled_lockstep_rank_gets_one_wake_at_the_clock_never_above() -> None:
 
 
 def test_a_stuck_lockstep_rank_that_keeps_reporting_load_dies_of_no_progress() -> None:
-    """§8.6 (observation 8): load reports are not progress."""
+    """§6 (observation 8): load reports are not progress."""
     c = core(lockstep=True)
     c.submit("a", None, object(), 0, now=0.0)
     send(c, 0, 1.0, load={"waiting": 1})
@@ -82,7 +83,7 @@ def test_a_stuck_lockstep_rank_that_keeps_reporting_load_dies_of_no_progress() -
 
 
 def test_no_stall_wake_after_an_idle_period() -> None:
-    """§8.6 (observation 8): the stall clock starts when the rank starts holding work."""
+    """§6 (observation 8): the stall clock starts when the rank starts holding work."""
     c = core(lockstep=True)
     send(c, 0, 0.0, load={"waiting": 0})
     c.submit("a", None, object(), 0, now=1000.0)  # idle for 1000 s first
@@ -99,7 +100,7 @@ def test_independent_groups_never_stall_wake() -> None:
 
 
 def test_one_invalid_batch_is_a_connection_error() -> None:
-    """§8.5: a batch that is not valid kills its rank at once (no 'N in a row')."""
+    """§7: a batch that is not valid kills its rank at once (no 'N in a row')."""
     c = core()
     result = c.on_message([rank_identity(0), b"\xff"], now=0)
     assert result[1].dead is not None and "connection error" in result[1].dead
@@ -109,7 +110,7 @@ def test_one_invalid_batch_is_a_connection_error() -> None:
 
 
 def test_a_message_with_the_wrong_frame_count_is_its_ranks_connection_error() -> None:
-    """§8.5 (observation 6): counted against the rank, not only group-wide."""
+    """§7 (observation 6): counted against the rank, not only group-wide."""
     c = core()
     rank, result = c.on_message([rank_identity(1), b"a", b"b"], now=0)
     assert rank == 1 and result.dead is not None and "2 frames" in result.dead
@@ -119,7 +120,7 @@ def test_a_message_with_the_wrong_frame_count_is_its_ranks_connection_error() ->
 
 
 def test_a_malformed_entry_ends_only_the_request_it_names() -> None:
-    """§8.5 (observation 5)."""
+    """§7 (observation 5)."""
     c = core()
     a, b = object(), object()
     c.submit("a", None, a, 0, now=0)
@@ -154,7 +155,7 @@ def test_a_malformed_reply_fails_the_call_it_names() -> None:
 
 
 def test_batches_of_another_epoch_are_stale_and_change_nothing() -> None:
-    """§8.2 (observation 2): no outputs, no load, no dead, not even 'heard'."""
+    """§2.3 (observation 2): no outputs, no load, no dead, not even 'heard'."""
     c = core()
     h = object()
     c.submit("a", None, h, 0, now=0.0)
@@ -189,12 +190,13 @@ def test_dead_announcement_is_applied_after_the_rest_of_the_batch() -> None:
     result = send(c, 0, 0, outputs=[{"id": wire(c, "a"), "body": 1, "finish": "stop"}], dead="oom")
     assert result.effects is not None and [e.handle for e in result.effects.ended] == [h]
     assert result.dead == "announced dead: 'oom'"
-    assert c.rank_dead(0, "announced dead: oom") == []  # nothing left to fail
+    failure = c.rank_down(0, "announced dead: oom")
+    assert failure is not None and failure.ended == []  # nothing left to fail
 
 
 def test_batches_from_a_down_rank_are_stale() -> None:
     c = core()
-    c.rank_dead(1, "test")
+    c.rank_down(1, "test")
     assert c.on_message([rank_identity(1), b"\xff"], now=0)[1].dead is None
     assert c.counters.stale_messages == 1
 
@@ -232,7 +234,7 @@ def test_a_body_that_cannot_be_encoded_leaks_nothing() -> None:
 
 
 def test_an_add_larger_than_the_engine_accepts_is_refused_at_submit() -> None:
-    """§8.4 (observation 3)."""
+    """§1 (observation 3)."""
     c: GroupCore[object] = GroupCore(1, lockstep=False)
     c.rank_up(0, now=0.0, epoch=1, max_message_size=1000)
     with pytest.raises(InvalidRequest, match=r"'big'.*more than rank 0 accepts \(1000 bytes"):
@@ -243,7 +245,7 @@ def test_an_add_larger_than_the_engine_accepts_is_refused_at_submit() -> None:
 
 
 def test_wire_ids_are_unique_for_the_life_of_the_core() -> None:
-    """§8.1: the application id can be reused, the wire id never."""
+    """§3: the application id can be reused, the wire id never."""
     c = core()
     seen = set()
     for _ in range(5):
@@ -251,3 +253,58 @@ def test_wire_ids_are_unique_for_the_life_of_the_core() -> None:
         assert sub.wire_id.startswith("same#") and sub.wire_id not in seen
         seen.add(sub.wire_id)
         assert c.abort("same") is not None
+
+
+def test_a_dead_rank_of_an_independent_group_is_resynced_alone() -> None:
+    c = core()
+    a, b = object(), object()
+    c.submit("a", None, a, 0, now=0)
+    c.submit("b", None, b, 1, now=0)
+    failure = c.rank_down(0, "silent")
+    assert failure is not None and failure.closed is None and failure.aborts == []
+    assert [(e.handle, type(err).__name__) for e, err in failure.ended] == [(a, "EngineDead")]
+    assert (failure.forget, failure.resync) == (0, True)
+    assert c.rank_down(0, "again") is None  # one verb, idempotent
+    assert c.is_up(1) and "b" in c.book
+
+
+def test_a_rejoin_does_not_restart_the_handshake_it_is_part_of() -> None:
+    c = core()
+    failure = c.rank_down(1, "said HELLO again", rejoin=True)
+    assert failure is not None and failure.forget is None and not failure.resync
+
+
+def test_a_dead_lockstep_rank_fails_the_group_and_aborts_on_its_peers() -> None:
+    c = core(lockstep=True)
+    a, b = object(), object()
+    c.submit("a", None, a, 0, now=0)
+    c.submit("b", None, b, 1, now=0)
+    failure = c.rank_down(1, "NCCL timeout")
+    assert failure is not None and failure.closed is not None
+    errors = {e.handle: err for e, err in failure.ended}
+    assert type(errors[b]).__name__ == "EngineDead" and "NCCL timeout" in str(errors[b])
+    assert type(errors[a]).__name__ == "GroupClosed" and "lockstep group failed" in str(errors[a])
+    assert [rank for rank, _ in failure.aborts] == [0]  # not to the dead rank
+    assert not c.is_up(0) and not c.is_up(1) and c.close() is None
+    with pytest.raises(GroupClosed, match="lockstep group failed"):
+        c.submit("c", None, object(), None, now=0)
+
+
+def test_closing_aborts_every_live_request_in_messages_the_engine_accepts() -> None:
+    c: GroupCore[object] = GroupCore(1, lockstep=False)
+    c.rank_up(0, now=0.0, epoch=1, max_message_size=1000)
+    for i in range(20):
+        c.submit(f"{i:02d}" + "x" * 200, None, object(), 0, now=0)
+    failure = c.close()
+    assert failure is not None and len(failure.ended) == 20
+    assert all(len(frames[1]) + 1 <= 1000 for _, frames in failure.aborts)
+    assert sum(len(decode_request(*frames).ids) for _, frames in failure.aborts) == 20
+
+
+def test_one_wake_after_a_run_of_adds_in_a_lockstep_group_only() -> None:
+    lock, free = core(lockstep=True), core()
+    for c in (lock, free):
+        c.submit("a", None, object(), 0, now=0)
+        c.submit("b", None, object(), 1, now=0)
+    assert lock.after_flush() == 0 and lock.after_flush() is None
+    assert free.after_flush() is None

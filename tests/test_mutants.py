@@ -69,7 +69,7 @@ def test_exhaustive_search_catches(clock: type[Any], self_wake: bool) -> None:
 
 
 def test_bumping_clock_strands_a_rank_running_alone() -> None:
-    """The failure PROTOCOL.md §5 describes: the group parks split across two waves, and
+    """The failure docs/protocol.md §5 describes: the group parks split across two waves, and
     the lower rank later accepts a WAKE the higher one ignores."""
     result = search(Config(ranks=2, requests=2, self_wake=False), mutants.BumpingClock)
     assert result.problem is not None and "run while their peers are parked" in result.problem

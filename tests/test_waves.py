@@ -29,7 +29,7 @@ def test_clock_follows_and_never_leads() -> None:
 
 
 def test_smg_wave_tests_ported() -> None:
-    """SMG's wave tests (smg_connector.md §7.2 #14, #15, #17, #18) under zmqdp's rules."""
+    """SMG's wave tests (the SMG connector's tests #14, #15, #17, #18) under zmqdp's rules."""
     # #14 first submit wakes the parked group: with zmqdp the wake names the wave the
     # group is parked at (0), not 1.
     clock = WaveClock()

@@ -1,4 +1,4 @@
-"""A model of N lockstep ranks and the client's wave clock (PROTOCOL.md §5).
+"""A model of N lockstep ranks and the client's wave clock (docs/protocol.md §5).
 
 The ranks follow only the engine MUST rules of §5, not the SHOULD rule (wave agreement
 at sync), because the client must be safe without it:

@@ -1,6 +1,6 @@
 """zmqdp: drive a data-parallel group of inference engines over ZeroMQ from one trio client.
 
-The wire contract is PROTOCOL.md (version 1).
+The wire contract is docs/protocol.md (version 1).
 
     async with EngineGroup.connect("ipc:///run/zmqdp/g1", engines=2) as group:
         async with group.submit(Request("r1", body)) as stream:

@@ -1,4 +1,4 @@
-"""Group URLs: where the client binds and what it advertises in INIT (PROTOCOL.md §1).
+"""Group URLs: where the client binds and what it advertises in INIT (docs/protocol.md §1).
 
 For `ipc://P` the client binds the handshake at `ipc://P`, input at `ipc://P.in` and
 output at `ipc://P.out`. The directory holding them is created with mode 0700 if it is
@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["GroupAddress", "parse_group_url"]
+__all__ = ["GroupAddress", "is_ipv6", "parse_group_url"]
 
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", "[*]"})
 
@@ -26,7 +27,7 @@ WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", "[*]"})
 class GroupAddress:
     """Where to bind. For tcp, input/output end in ':*' (the OS picks the port)."""
 
-    transport: str  # "ipc" | "tcp"
+    transport: Literal["ipc", "tcp"]
     handshake: str
     input: str
     output: str
@@ -42,6 +43,16 @@ class GroupAddress:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"tcp://{host}:{port}"
+
+
+def is_ipv6(address: str) -> bool:
+    """Whether a ZeroMQ address names an IPv6 host (`tcp://[::1]:5555`, `tcp://::1:5555`
+    or a bare IPv6 host): such sockets need the `IPV6` option. The one check of zmqdp."""
+    if address.startswith("tcp://"):
+        address = address[len("tcp://") :].rpartition(":")[0] or address[len("tcp://") :]
+    elif "://" in address:
+        return False
+    return ":" in address
 
 
 def parse_group_url(url: str, advertise_host: str | None = None) -> GroupAddress:
@@ -65,7 +76,7 @@ def parse_group_url(url: str, advertise_host: str | None = None) -> GroupAddress
                 f"group URL {url!r} binds a wildcard host, which engines cannot connect "
                 "to: pass advertise_host=<an address the engines can reach>"
             )
-        ipv6 = ":" in host or (advertise_host is not None and ":" in advertise_host)
+        ipv6 = is_ipv6(host) or (advertise_host is not None and is_ipv6(advertise_host))
         return GroupAddress(
             "tcp",
             url,

@@ -34,7 +34,7 @@ class PendingCall:
 
 
 class PendingCalls:
-    """Every call in flight. Call ids count from 0 and are never reused (§8.4 bounds
+    """Every call in flight. Call ids count from 0 and are never reused (§1 bounds
     them to 2^63 - 1, which a client does not reach)."""
 
     def __init__(self) -> None:

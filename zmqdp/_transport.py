@@ -2,14 +2,14 @@
 
 Theory of operation
 -------------------
-The client binds three ROUTERs (PROTOCOL.md §1): handshake, input and output. Each has
+The client binds three ROUTERs (docs/protocol.md §1): handshake, input and output. Each has
 exactly one owning task:
 
 * `serve_handshake` owns the handshake ROUTER for the life of the group. It answers
   every HELLO with INIT or REJECT (through `HandshakeState`), records READY (an invalid
   one is answered with REJECT), reports a rank that came up and a HELLO that was a
   rejoin, and sends RESYNC about once a second to every rank the group is waiting for
-  (PROTOCOL.md §8.3; a RESYNC to an identity that is not connected fails with
+  (docs/protocol.md §2.5; a RESYNC to an identity that is not connected fails with
   EHOSTUNREACH and is ignored). Rejoins can come at any time, so this task never stops
   while the group is open.
 * `serve_input` owns the input ROUTER. It sends what other tasks `send()` (ADD, ABORT,
@@ -26,7 +26,7 @@ Either makes the rank dead (§6); its queued messages are dropped.
 `ready_timeout` passes (`HandshakeTimeout`, naming every missing rank and every
 rejected HELLO).
 
-Closing (§8.7): once the tasks are gone, `aclose` takes over the input socket, pushes
+Closing (§9): once the tasks are gone, `aclose` takes over the input socket, pushes
 what is still queued (the ABORTs the client sends for its live requests) without
 blocking, and closes it with a short LINGER, so those ABORTs reach the engines; the
 other sockets close with LINGER 0. The context is then terminated in a worker thread
@@ -58,7 +58,7 @@ __all__ = ["DEFAULT_MAX_MESSAGE_SIZE", "GroupTransport", "open_group_transport"]
 log = logging.getLogger("zmqdp")
 
 CLOSE_LINGER = 0.5
-"""Seconds libzmq may spend delivering the ABORTs queued at close (§8.7)."""
+"""Seconds libzmq may spend delivering the ABORTs queued at close (§9)."""
 
 
 def _noop(*_: object) -> None:
@@ -67,14 +67,21 @@ def _noop(*_: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class TransportStatistics:
+    """Counters of the client's three sockets and of the handshake."""
+
     handshake: ZSocketStatistics
     input: ZSocketStatistics
     output: ZSocketStatistics
     rejected_hellos: int
+    """HELLOs, READYs and untyped handshake messages answered with REJECT."""
     ignored_handshake_messages: int
+    """Handshake-socket messages that were neither HELLO nor READY, or came too late."""
     stale_registers: int
+    """REGISTERs carrying the epoch of a dead incarnation (§2.3)."""
     resyncs: int
+    """RESYNCs sent to ranks the group was waiting for (§2.5)."""
     dropped_answers: int
+    """INIT/REJECT answers dropped because the peer's queue was full or it was gone."""
 
 
 class GroupTransport:
@@ -115,7 +122,7 @@ class GroupTransport:
             size,
             self.input_address,
             self.output_address,
-            # Random, so a restarted client never reuses its predecessor's epochs (§8.2).
+            # Random, so a restarted client never reuses its predecessor's epochs (§2.3).
             first_epoch=secrets.randbelow(2**32) + 1,
             max_message_size=max_message_size,
             resync_interval=resync_interval,
@@ -159,7 +166,7 @@ class GroupTransport:
 
     def forget(self, rank: int, *, resync: bool = True) -> None:
         """The rank is dead: it must handshake again. With `resync`, it is sent RESYNC
-        at once and then about once a second until it says HELLO (§8.3)."""
+        at once and then about once a second until it says HELLO (§2.5)."""
         self.state.forget(rank, resync=resync)
         if resync:
             self.handshake.kick()
@@ -188,7 +195,7 @@ class GroupTransport:
 
     def _on_handshake_message(self, frames: list[bytes]) -> None:
         """One message on the handshake socket. HELLO and READY are answered (an invalid
-        one with REJECT naming it, §8.5); a body that claims no type is rejected without
+        one with REJECT naming it, §7); a body that claims no type is rejected without
         touching any rank; anything else (a malformed REGISTER, an unknown type) is
         counted and ignored: only an invalid HELLO is a rejoin."""
         if len(frames) != 2:
@@ -383,7 +390,7 @@ class GroupTransport:
 
     async def aclose(self) -> None:
         """Close after the owning tasks have ended, delivering what is still queued on
-        the input socket, such as ABORTs (§8.7): the input socket closes with a LINGER
+        the input socket, such as ABORTs (§9): the input socket closes with a LINGER
         of `CLOSE_LINGER`, the others with none, and the context is terminated in a
         worker thread (`term()` blocks until the LINGER is over or all is delivered).
 

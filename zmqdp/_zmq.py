@@ -5,7 +5,7 @@ Theory of operation
 pyzmq has no trio support, and `ZMQ_FD` is not a normal file descriptor: it is the
 socket's *mailbox*, readable when libzmq has unprocessed commands, and **any** zmq call
 on the socket (send, recv, even reading `EVENTS`) may consume that edge while messages
-stay queued (trio_zmq.md §A.2-A.3). The rules that make it safe, all enforced here:
+stay queued (docs/design.md, "The ZeroMQ fd rules"). The rules that make it safe, all enforced here:
 
 1. **One task per socket.** The first task that uses a `ZSocket` owns it; any other
    task gets `trio.BusyResourceError`. Ownership can be handed over explicitly

@@ -14,14 +14,14 @@ The submit path, `EngineGroup.submit`, is synchronous and never blocks:
 
 1. check that the group is open;
 2. `GroupCore.submit` validates the id and pinned rank, gives the request a fresh wire
-   id (PROTOCOL.md §8.1), encodes the ADD (any failure: `InvalidRequest`, nothing
+   id (docs/protocol.md §3), encodes the ADD (any failure: `InvalidRequest`, nothing
    kept), registers it (a live duplicate id raises `DuplicateRequestId` before any
    reservation), selects and reserves a rank (pinned: `InvalidRank` if out of range or
-   down), and refuses an ADD larger than that rank accepts (§8.4: `InvalidRequest`,
+   down), and refuses an ADD larger than that rank accepts (§1: `InvalidRequest`,
    the reservation rolled back);
 3. queue the ADD for the input task, which sends it;
 4. lockstep groups: after the input task has sent a run of ADDs it sends **one**
-   WAKE(c) to every rank (PROTOCOL.md §5); a send failure there kills the rank, and in
+   WAKE(c) to every rank (docs/protocol.md §5); a send failure there kills the rank, and in
    a lockstep group that fails the group, so no request is left stranded;
 5. hand out the `RequestStream`.
 
@@ -30,9 +30,9 @@ by the input task and declares the rank dead (§6), which ends its requests with
 `EngineDead`; nothing is ever silently dropped.
 
 Messages from engines. `GroupCore.on_message` decides; the dispatcher carries it out.
-A message that is not a valid batch kills its rank at once (§8.5 connection error); a
+A message that is not a valid batch kills its rank at once (§7 connection error); a
 malformed entry ends only the request it names, with `ProtocolError`; a batch of a dead
-incarnation (another `epoch`, §8.2) is counted and dropped.
+incarnation (another `epoch`, §2.3) is counted and dropped.
 
 Streams (`stream.py`). The dispatcher `deliver`s outputs to a per-request buffer and
 `notify`s each consumer at most once per drained batch of messages, not once per output.
@@ -42,12 +42,12 @@ which aborts the request on its own rank with a synchronous queue operation.
 
 Failure policy (§6). A dead rank's requests fail with `EngineDead(rank, cause)`. In an
 independent group the rank leaves selection and comes back after a fresh handshake; the
-client sends it RESYNC about once a second until it says HELLO (§8.3), so that an
+client sends it RESYNC about once a second until it says HELLO (§2.5), so that an
 engine that is alive but was silent or sent garbage does that handshake without a
 restart. In a lockstep group its peers cannot progress without it: the whole group
 fails, every live stream raises, and every later submit raises `GroupClosed`.
 
-Closing (§8.7). Leaving `connect`'s block, or a lockstep group failing, sends ABORT for
+Closing (§9). Leaving `connect`'s block, or a lockstep group failing, sends ABORT for
 every live request to its rank (if that rank is up) before the sockets close, so
 engines stop generating for a client that is gone.
 """
@@ -56,10 +56,10 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 import trio
 from trio_util import AsyncValue
@@ -70,14 +70,15 @@ from ._core.errors import (
     CallTimeout,
     EngineDead,
     GroupClosed,
+    InvalidRank,
     InvalidRequest,
     ProtocolError,
     RequestAborted,
-    StreamTruncated,
+    quote,
 )
 from ._core.messages import Abort, Call, Load, Wake
-from ._core.requests import Ended, Outcome
-from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, GroupCore
+from ._core.requests import Outcome
+from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, Failure, GroupCore
 from ._transport import GroupTransport, open_group_transport
 from ._util import NoPublicConstructor
 from .stream import RequestStream
@@ -98,15 +99,41 @@ _ABORT_BUDGET = 64 * 1024  # bytes per ABORT at close: keeps each message small
 
 
 class RankState(enum.Enum):
+    """Whether a rank takes requests."""
+
     UP = "up"
+    """Handshake complete: selectable, pinnable."""
     DOWN = "down"
+    """Dead, rejoining or not yet back: submits pinned to it raise `InvalidRank`."""
+
+
+T = TypeVar("T")
+
+
+class WatchedValue(Protocol[T]):
+    """A value that tasks can wait on (trio-util's `AsyncValue`, read-only here)."""
+
+    @property
+    def value(self) -> T: ...
+
+    async def wait_value(
+        self, value_or_predicate: T | Callable[[T], bool], *, held_for: float = 0
+    ) -> T:
+        """Wait until the value equals `value_or_predicate` (or the predicate holds)."""
+        ...
+
+    async def wait_transition(
+        self, value_or_predicate: T | Callable[[T, T], bool] | None = None
+    ) -> tuple[T, T]:
+        """Wait for the next change (matching it, if given); returns (new, old)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
     """One request: `id` unique among live requests (a non-empty str of at most 512
     characters; reusable once the request ends), `body` any CBOR-able value
-    (PROTOCOL.md §7) whose ADD fits the engine's `max_message_size`, `rank` an int to
+    (docs/protocol.md §8) whose ADD fits the engine's `max_message_size`, `rank` an int to
     pin it (None: least-loaded)."""
 
     id: str
@@ -116,36 +143,53 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
+    """One rank as the client sees it."""
+
     rank: int
     info: Mapping[str, Any]
+    """The free-form metadata of its READY (model, `max_num_seqs`, ...), as sent."""
     state: RankState
 
 
 @dataclass(frozen=True, slots=True)
 class RankStatistics:
+    """One rank in `GroupStatistics`."""
+
     rank: int
     state: RankState
     inflight: int
+    """Requests this client has live on the rank."""
     load: Load
+    """The rank's latest load report (queue counts zeroed while it holds nothing)."""
     batches: int
+    """Valid batches received from its current incarnation."""
     protocol_errors: int
+    """Its invalid messages and malformed entries, this incarnation."""
 
 
 @dataclass(frozen=True, slots=True)
 class GroupStatistics:
+    """A snapshot of `EngineGroup.statistics()`: per rank, then counters since connect."""
+
     ranks: tuple[RankStatistics, ...]
     lockstep: bool
     wave: int | None
+    """The wave clock (lockstep groups), else None."""
     submitted: int
+    """Requests accepted by `submit` (their ADD was queued)."""
     finished: int
+    """Requests that ended with their terminal output."""
     truncated: int
+    """Requests the engine listed in `finished` without a terminal output."""
     aborted: int
+    """Requests ended by `abort()` or by leaving their stream early."""
     failed: int
+    """Requests ended because their rank died or the group closed."""
     rolled_back: int
     """Submits refused with `InvalidRequest` because the body could not be encoded or
     the ADD was too large; nothing was sent or kept."""
     protocol_failed: int
-    """Requests ended with `ProtocolError` by a malformed entry naming them (§8.5)."""
+    """Requests ended with `ProtocolError` by a malformed entry naming them (§7)."""
     protocol_errors: int
     """Messages that were not valid batches (each killed its rank), or came from an
     identity that is no rank."""
@@ -158,9 +202,21 @@ class GroupStatistics:
     unknown_outputs: int
     """Entries naming a wire id the client never issued, or one live on another rank."""
     wakes: int
+    """WAKE rounds sent to the whole group (answers to `start_wave`, after ADDs)."""
     stall_wakes: int
+    """Extra WAKEs for a stalled lockstep rank; a correct group needs none."""
     fallbacks: int
     """Safety-timeout firings of the socket adapter; 0 in a healthy process."""
+    rejected_hellos: int
+    """Handshake messages answered with REJECT (invalid or mismatched HELLO, READY)."""
+    ignored_handshake_messages: int
+    """Handshake messages that were neither HELLO nor READY, or came out of turn."""
+    stale_registers: int
+    """REGISTERs of a dead incarnation (another epoch), ignored."""
+    resyncs: int
+    """RESYNCs sent to ranks the group waited for (start-up, after a death)."""
+    dropped_answers: int
+    """Handshake answers dropped because that peer did not read them."""
 
 
 class EngineGroup(metaclass=NoPublicConstructor):
@@ -174,10 +230,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
         self._core = core
         self.lockstep = core.lockstep
         self.size = core.size
-        self._closed: GroupClosed | None = None
-        self._states = [AsyncValue(RankState.UP) for _ in range(core.size)]
-        self._wave = AsyncValue(core.clock.wave if core.clock is not None else None)
-        self._adds_since_wake = False
+        # trio-util is untyped: these are AsyncValues, shown to users as WatchedValues
+        self._states: list[Any] = [AsyncValue(RankState.UP) for _ in range(core.size)]
+        self._wave: Any = AsyncValue(core.clock.wave if core.clock is not None else None)
         self._calls = PendingCalls()
 
     # -- connecting -------------------------------------------------------------------
@@ -199,7 +254,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
         """Bind the group URL, wait for all `engines` ranks, and serve them.
 
         Engines that kept running after an earlier client went away are picked up: the
-        client sends RESYNC to every rank it is waiting for (PROTOCOL.md §8.3).
+        client sends RESYNC to every rank it is waiting for (docs/protocol.md §2.5).
         `max_message_size` bounds what the client receives and is announced in INIT;
         each engine announces its own in HELLO, and `submit` refuses larger ADDs.
 
@@ -239,7 +294,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             try:
                 yield group
             finally:
-                group._close(GroupClosed("the engine group was closed"))
+                group._close()
 
     # -- public API -------------------------------------------------------------------
 
@@ -251,17 +306,19 @@ class EngineGroup(metaclass=NoPublicConstructor):
             for r in range(self.size)
         )
 
-    def rank_state(self, rank: int) -> Any:
-        """The rank's state as a trio-util `AsyncValue[RankState]`, to wait on:
-        `await group.rank_state(1).wait_value(RankState.UP)`."""
-        return self._states[rank]
+    def rank_state(self, rank: int) -> WatchedValue[RankState]:
+        """The rank's state, to wait on: `await group.rank_state(1).wait_value(RankState.UP)`.
+        Raises `InvalidRank` for a rank outside the group."""
+        if type(rank) is not int or not 0 <= rank < self.size:
+            raise InvalidRank(rank, self.size, None, f"out of range for a group of {self.size}")
+        return cast(WatchedValue[RankState], self._states[rank])
 
     @property
-    def wave(self) -> Any:
+    def wave(self) -> WatchedValue[int | None]:
         """Lockstep groups: the wave clock as a trio-util `AsyncValue[int]` (None for
         independent groups). It moves when a rank reports `wave_complete` (the group
         parked) or `start_wave`: `await group.wave.wait_value(lambda w: w > seen)`."""
-        return self._wave
+        return cast(WatchedValue[int | None], self._wave)
 
     def submit(self, request: Request) -> RequestStream:
         """Send a request; return its stream (use it with `async with`).
@@ -271,14 +328,11 @@ class EngineGroup(metaclass=NoPublicConstructor):
         int, a body with no CBOR form, or an ADD larger than the engine accepts), each
         before anything is sent or reserved.
         """
-        if self._closed is not None:
-            raise GroupClosed(self._closed.cause, request_id=str(request.id))
         stream = self._for_testing_stream_class._create(request.id, self._close_stream)
         sub = self._core.submit(request.id, request.body, stream, request.rank, trio.current_time())
         stream.rank = sub.rank
         stream.wire_id = sub.wire_id
         self._transport.send(sub.rank, sub.frames)
-        self._adds_since_wake = self.lockstep
         return stream
 
     async def abort(self, request_id: str) -> None:
@@ -287,10 +341,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
         Cancellation: the abort is queued synchronously before the checkpoint, so it
         happens even if this call is cancelled.
         """
-        ended = self._core.abort(request_id)
-        if ended is not None:
-            self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
-            ended.handle.finish(Outcome.ABORTED, RequestAborted(ended.rank, request_id))
+        self._abort(request_id, None)
         await trio.lowlevel.checkpoint()
 
     async def call(self, rank: int, method: str, *args: Any, timeout: float = 10.0) -> Any:  # noqa: ASYNC109
@@ -303,8 +354,14 @@ class EngineGroup(metaclass=NoPublicConstructor):
 
         Cancellation: the reply, if it comes later, is dropped.
         """
-        if self._closed is not None:
-            raise GroupClosed(self._closed.cause)
+        if type(rank) is not int or not 0 <= rank < self.size:
+            raise InvalidRank(rank, self.size, None, "CALL needs an int rank of the group")
+        if type(method) is not str:
+            raise InvalidRequest(quote(method), "the CALL method must be a str")
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        if self._core.closed is not None:
+            raise GroupClosed(self._core.closed.cause)
         if not self._core.is_up(rank):
             raise EngineDead(rank, f"CALL {method!r}: the rank is not up")
         call_id, pending = self._calls.open(rank, method)
@@ -358,43 +415,36 @@ class EngineGroup(metaclass=NoPublicConstructor):
             stale_messages=c.stale_messages,
             late_outputs=c.late_outputs,
             unknown_outputs=c.unknown_outputs,
-            wakes=c.wakes,
+            wakes=core.clock.wakes if core.clock is not None else 0,
             stall_wakes=c.stall_wakes,
             fallbacks=t.handshake.fallbacks + t.input.fallbacks + t.output.fallbacks,
+            rejected_hellos=t.rejected_hellos,
+            ignored_handshake_messages=t.ignored_handshake_messages,
+            stale_registers=t.stale_registers,
+            resyncs=t.resyncs,
+            dropped_answers=t.dropped_answers,
         )
 
     @property
     def closed(self) -> GroupClosed | None:
         """Why the group is closed or failed, or None while it serves."""
-        return self._closed
+        return self._core.closed
 
     # -- internals: streams -----------------------------------------------------------
 
     def _close_stream(self, stream: RequestStream) -> None:
         """A stream's `async with` ended before its request did: abort it, once."""
-        ended = self._core.abort(stream.request_id, stream)
-        if ended is not None:
-            stream.finish(Outcome.ABORTED)
-            if self._closed is None:
-                self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
+        self._abort(stream.request_id, stream)
 
-    def _end_stream(self, ended: Ended[RequestStream]) -> None:
-        stream = ended.handle
-        if ended.outcome is Outcome.FINISHED:
-            stream.finish(Outcome.FINISHED)
-        elif ended.outcome is Outcome.TRUNCATED:
-            stream.finish(Outcome.TRUNCATED, StreamTruncated(ended.rank, ended.request_id))
-        elif ended.outcome is Outcome.PROTOCOL_ERROR:
-            stream.finish(
-                ended.outcome,
-                ProtocolError(
-                    ended.cause or "malformed entry", rank=ended.rank, request_id=ended.request_id
-                ),
-            )
-        else:  # FAILED: the rank died
-            stream.finish(
-                ended.outcome, EngineDead(ended.rank, ended.cause or "dead", ended.request_id)
-            )
+    def _abort(self, request_id: str, stream: RequestStream | None) -> None:
+        """The one abort path: end the request (only that `stream`'s submission, if
+        given) and send ABORT of its wire id to its rank. A user's `abort()` makes a
+        reader see `RequestAborted`; closing the stream leaves nobody to tell."""
+        ended = self._core.abort(request_id, stream)
+        if ended is not None:
+            error = RequestAborted(ended.rank, request_id) if stream is None else None
+            ended.handle.finish(Outcome.ABORTED, error)
+            self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
 
     # -- internals: the dispatcher ----------------------------------------------------
 
@@ -426,7 +476,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
                     stream.deliver(out)
                     dirty.add(stream)
                 for ended in fx.ended:
-                    self._end_stream(ended)
+                    ended.handle.finish(ended.outcome, core.ending_error(ended))
             if result.wake is not None:
                 self._wake_all(result.wake)
             for reply in result.replies:
@@ -459,21 +509,19 @@ class EngineGroup(metaclass=NoPublicConstructor):
     def _wake_all(self, wave: int) -> None:
         frames = encode_request(Wake(wave))
         for rank in range(self.size):
-            if self._core.health[rank].up:
+            if self._core.is_up(rank):
                 self._transport.send(rank, frames)
 
     def _after_flush(self) -> None:
         """Called by the input task after it sent a run of messages."""
-        if self._adds_since_wake:
-            self._adds_since_wake = False
-            wave = self._core.wake_after_adds()
-            if wave is not None:
-                self._wake_all(wave)
+        wave = self._core.after_flush()
+        if wave is not None:
+            self._wake_all(wave)
 
     # -- internals: rank lifecycle ----------------------------------------------------
 
     def _on_rank_up(self, rank: int) -> None:
-        if self._closed is not None:
+        if self._core.closed is not None:
             return
         state = self._transport.state
         self._core.rank_up(
@@ -495,62 +543,28 @@ class EngineGroup(metaclass=NoPublicConstructor):
         self._rank_dead(rank, cause)
 
     def _rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
-        if not self._core.is_up(rank):
-            return
-        log.error("rank %d: dead: %s", rank, cause)
-        self._states[rank].value = RankState.DOWN
-        if not rejoin:
-            # The engine may still be alive (silent, or sending garbage): in an
-            # independent group, RESYNC it until it handshakes again (§8.3), so the
-            # rank can come back. Harmless if its process is gone.
-            self._transport.forget(rank, resync=not self.lockstep)
-        self._calls.fail_all(EngineDead(rank, cause), rank)
-        if self.lockstep:
-            dead = EngineDead(rank, cause)
-            self._close(
-                GroupClosed(f"the lockstep group failed: {dead}"), dead_rank=rank, dead_cause=cause
-            )
-            return
-        for ended in self._core.rank_dead(rank, cause):
-            self._end_stream(ended)
+        failure = self._core.rank_down(rank, cause, rejoin=rejoin)
+        if failure is not None:
+            log.error("rank %d: dead: %s", rank, cause)
+            self._carry_out(failure)
 
-    def _close(
-        self, reason: GroupClosed, *, dead_rank: int | None = None, dead_cause: str = ""
-    ) -> None:
-        if self._closed is not None:
-            return
-        self._closed = reason
-        core = self._core
-        up = [core.is_up(r) and r != dead_rank for r in range(self.size)]
-        all_ended = core.fail_all(reason.cause)
-        self._abort_on_engines(all_ended, up)
-        for ended in all_ended:
-            if ended.rank == dead_rank:
-                error: BaseException = EngineDead(ended.rank, dead_cause, ended.request_id)
-            else:
-                error = GroupClosed(reason.cause, request_id=ended.request_id)
-            ended.handle.finish(Outcome.FAILED, error)
+    def _close(self) -> None:
+        failure = self._core.close()
+        if failure is not None:
+            self._carry_out(failure)
+
+    def _carry_out(self, failure: Failure[RequestStream]) -> None:
+        """Do what `GroupCore.rank_down` or `close` decided, in its order."""
+        for ended, error in failure.ended:
+            ended.handle.finish(ended.outcome, error)
+        for rank, frames in failure.aborts:
+            self._transport.send(rank, frames)
+        if failure.forget is not None:
+            self._transport.forget(failure.forget, resync=failure.resync)
+        if failure.rank is not None:
+            self._calls.fail_all(EngineDead(failure.rank, failure.cause), failure.rank)
+        if failure.closed is not None:
+            self._calls.fail_all(failure.closed)
         for rank in range(self.size):
-            self._states[rank].value = RankState.DOWN
-        self._calls.fail_all(GroupClosed(reason.cause))
-
-    def _abort_on_engines(self, ended: list[Ended[RequestStream]], up: list[bool]) -> None:
-        """§8.7: tell each engine that is still up to drop what it was running for us."""
-        by_rank: dict[int, list[str]] = {}
-        for e in ended:
-            if up[e.rank]:
-                by_rank.setdefault(e.rank, []).append(e.wire_id)
-        for rank, wire_ids in by_rank.items():
-            # Each ABORT must fit what the engine accepts (§8.4), or it drops it.
-            budget = min(self._core.health[rank].max_message_size, _ABORT_BUDGET) - 16
-            chunk: list[str] = []
-            size = 0
-            for wid in wire_ids:
-                cost = len(wid.encode()) + 9  # the string and its longest CBOR head
-                if chunk and size + cost > budget:
-                    self._transport.send(rank, encode_request(Abort(tuple(chunk))))
-                    chunk, size = [], 0
-                chunk.append(wid)
-                size += cost
-            if chunk:
-                self._transport.send(rank, encode_request(Abort(tuple(chunk))))
+            if not self._core.is_up(rank):
+                self._states[rank].value = RankState.DOWN

@@ -76,7 +76,7 @@ def _mock_command(args: argparse.Namespace, url: str) -> list[str]:
         cmd += ["--fault", f"{args.slow_rank}:slow={args.slow_factor}"]
     if args.fault == "bad_hello":
         cmd += ["--fault", f"{args.fault_rank}:bad_hello=size"]
-    elif args.fault == "garbage":  # one invalid batch kills the rank (PROTOCOL.md §8.5)
+    elif args.fault == "garbage":  # one invalid batch kills the rank (docs/protocol.md §7)
         cmd += ["--fault", f"{args.fault_rank}:garbage=1"]
     elif args.fault is not None:
         cmd += ["--fault", f"{args.fault_rank}:{args.fault}={args.fault_after}"]

@@ -1,4 +1,4 @@
-"""The engine side of PROTOCOL.md, for people who wrap their own engine behind zmqdp.
+"""The engine side of docs/protocol.md, for people who wrap their own engine behind zmqdp.
 
 ```python
 from zmqdp.engine import connect_engine, Add, Abort, Wake, Call, Resync
@@ -26,7 +26,7 @@ the current output socket. Each socket has one owner task at a time (`_zmq.py`);
 handshake task only creates and closes the input and output sockets.
 
 While an incarnation runs, the handshake task keeps reading the handshake socket. On
-RESYNC (§8.3) it, in this order:
+RESYNC (§2.5) it, in this order:
 
 1. marks the incarnation over (the output task now drops everything queued for it),
    cancels the input task and waits until it has exited, so that nothing read from the
@@ -48,7 +48,7 @@ would discard the stale epoch anyway). The output task outlives incarnations so 
 keeps draining the queue during a RESYNC: an application blocked in `send()` on a full
 queue could otherwise never take the `Resync()` the handshake task waits to hand over.
 
-Sizes (§8.4). `send()` encodes a batch once; only if it is larger than the client's
+Sizes (§1). `send()` encodes a batch once; only if it is larger than the client's
 limit (INIT's `max_message_size`, default 64 MiB) is it split into several messages,
 each with its own `seq`: `outputs`, then `finished`, then `replies`, in order, packed
 greedily. The scalars (`load`, `wave_complete`, `start_wave`, `dead`) go on the last
@@ -75,6 +75,7 @@ from typing import Any, NamedTuple
 import trio
 import zmq
 
+from ._addresses import is_ipv6
 from ._core import cbor
 from ._core.codec import decode_handshake, decode_request, encode_batch, encode_handshake
 from ._core.errors import HandshakeRejected, HandshakeTimeout, ProtocolError, quote
@@ -98,7 +99,7 @@ from ._core.messages import (
     Wake,
 )
 from ._transport import DEFAULT_MAX_MESSAGE_SIZE
-from ._util import open_service_nursery, single_exception
+from ._util import NoPublicConstructor, open_service_nursery, single_exception
 from ._zmq import ZSocket
 
 __all__ = [
@@ -153,7 +154,7 @@ class _Queued(NamedTuple):
 _Outgoing = _Queued | list[bytes]  # a bare list: a legacy raw message, sent as it is
 
 
-class Engine:
+class Engine(metaclass=NoPublicConstructor):
     """One connected rank. Iterate it for inbound messages; `send()` output batches.
 
     `wave` is what the next HELLO reports (lockstep only): keep it current, so that the
@@ -209,13 +210,13 @@ class Engine:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self._identity)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
-        if address.startswith("tcp://[") or address.count(":") > 2:
+        if is_ipv6(address):
             sock.setsockopt(zmq.IPV6, 1)
         return ZSocket(sock)
 
     @property
     def epoch(self) -> int | None:
-        """The client's epoch for the current incarnation (INIT's `epoch`, §8.2); None
+        """The client's epoch for the current incarnation (INIT's `epoch`, §2.3); None
         if the client does not send one (revision 1). It changes only after `Resync()`
         has been queued for the application, once the next INIT arrives."""
         return self._epoch
@@ -248,7 +249,7 @@ class Engine:
         are None, and splits a batch larger than the client accepts (see the module
         docstring). Waits only while the outgoing queue is full.
 
-        Raises `ProtocolError` if a body or result has no CBOR form in §7 or an entry is
+        Raises `ProtocolError` if a body or result has no CBOR form in §8 or an entry is
         too large for one message, and ValueError if `batch.rank` is not this engine's
         rank; nothing is queued then.
 
@@ -366,7 +367,7 @@ class Engine:
         log.info("rank %d: handshake %d done (epoch %s)", self.rank, self._handshakes, reply.epoch)
 
     def _begin_incarnation(self, init: Init) -> None:
-        """Fresh input and output sockets, always (§8.3), and the new incarnation's
+        """Fresh input and output sockets, always (§2.5), and the new incarnation's
         numbering. No checkpoint here, so `send()` sees the switch all at once."""
         assert self._input is None and self._output is None
         self._input = self._dealer(init.input)
@@ -512,7 +513,7 @@ class Engine:
         self._context.term()
 
 
-# -- splitting (§8.4) -----------------------------------------------------------------
+# -- splitting (§1) -----------------------------------------------------------------
 
 _ARRAY_HEAD_MAX = 9  # the longest CBOR head of an array
 _SCALARS = ("load", "wave_complete", "start_wave", "dead")
@@ -535,7 +536,7 @@ def _entry_size(key: str, item: Any) -> int:
 
 
 def _too_large(batch: OutputBatch, key: str, item: Any, size: int, limit: int) -> ProtocolError:
-    tail = f"{size} bytes; the client accepts at most {limit} per message (§8.4)"
+    tail = f"{size} bytes; the client accepts at most {limit} per message (§1)"
     if key == "outputs":
         return ProtocolError(
             f"an output does not fit in one message: {tail}",
@@ -668,7 +669,7 @@ async def connect_engine(
         raise ValueError(f"rank {rank} is out of range for a group of {size}")
     if max_message_size <= 0:
         raise ValueError(f"max_message_size must be positive, got {max_message_size}")
-    engine = Engine(
+    engine = Engine._create(
         url, rank, size, lockstep, info or {}, wave, handshake_timeout, max_message_size
     )
     try:

@@ -11,7 +11,7 @@ a request; each step every running request emits one token and the last one has 
 carries `load` (waiting, running, kv) and `seq`. Step time is per rank, so speeds can
 differ, and a rank holding requests sends a batch at least once a second.
 
-Lockstep mode follows PROTOCOL.md §5 and vLLM's DP engines (vllm_dp.md §3):
+Lockstep mode follows docs/protocol.md §5 and vLLM's DP engines (as vLLM's DP engines do):
 
 * every running rank takes part in a collective on **every** step (idle ranks run dummy
   steps), through an in-process barrier; a rank running while its peers are parked

@@ -64,7 +64,7 @@ class RequestStream(metaclass=NoPublicConstructor):
         self.rank = -1
         """The rank the request was sent to."""
         self.wire_id = ""
-        """The id the engine knows this request by (PROTOCOL.md §8.1), for its logs."""
+        """The id the engine knows this request by (docs/protocol.md §3), for its logs."""
         self.outcome: Outcome | None = None
         """How the request ended; None while it is live."""
         self._on_close = on_close

@@ -1,4 +1,4 @@
-"""CBOR restricted to PROTOCOL.md §7, on top of cbor2.
+"""CBOR restricted to docs/protocol.md §8, on top of cbor2.
 
 What cbor2 enforces for us, given the right options:
 
@@ -38,7 +38,7 @@ MAX_DEPTH = 64
 
 INT_MIN = -(2**63)
 INT_MAX = 2**63 - 1
-"""§8.4: every integer on the wire is within signed 64 bits (CBOR itself allows 2^64 - 1
+"""§1: every integer on the wire is within signed 64 bits (CBOR itself allows 2^64 - 1
 and -2^64, which many decoders, msgpack's among them, cannot hold)."""
 _INT_MIN = INT_MIN
 _INT_MAX = INT_MAX
@@ -72,7 +72,7 @@ _DECODER_OPTIONS: dict[str, Any] = {
 
 
 def loads(data: bytes | memoryview) -> Any:
-    """Decode exactly one CBOR item with §7's rules (but see `check_value` for opaque
+    """Decode exactly one CBOR item with §8's rules (but see `check_value` for opaque
     values). Raises `ProtocolError` and nothing else."""
     fp = io.BytesIO(data)
     try:
@@ -93,8 +93,8 @@ def _kind_error(value: Any) -> ProtocolError:
     if value is cbor2.undefined or isinstance(value, cbor2.CBORSimpleValue):
         return ProtocolError(f"CBOR simple value {quote(value)} is not allowed")
     if type(value) is int:
-        return ProtocolError(f"integer {quote(value)} is outside the signed 64-bit range (§8.4)")
-    return ProtocolError(f"a value of type {type(value).__name__} has no CBOR form in §7")
+        return ProtocolError(f"integer {quote(value)} is outside the signed 64-bit range (§1)")
+    return ProtocolError(f"a value of type {type(value).__name__} has no CBOR form in §8")
 
 
 def check_value(value: Any, depth: int = MAX_DEPTH) -> None:
@@ -135,7 +135,7 @@ def check_value(value: Any, depth: int = MAX_DEPTH) -> None:
 
 
 def dumps(obj: Any, *, depth: int = MAX_DEPTH) -> bytes:
-    """Encode a value after `check_value`; raise `ProtocolError` if it has no §7 form.
+    """Encode a value after `check_value`; raise `ProtocolError` if it has no §8 form.
 
     Total like `loads`: whatever cbor2 raises (a string with a lone surrogate has no
     UTF-8 form and raises `UnicodeEncodeError`) becomes `ProtocolError`, so a caller that

@@ -1,8 +1,8 @@
-"""Encode and decode every message of PROTOCOL.md.
+"""Encode and decode every message of docs/protocol.md.
 
 Decoding is total: for any byte string, a `decode_*` function returns a typed message or
 raises `ProtocolError` (never anything else), in time linear in the input. It enforces
-§7 through `cbor.loads`, checks the type of every known key, and vets every opaque value
+§8 through `cbor.loads`, checks the type of every known key, and vets every opaque value
 it hands on (bodies, READY info, CALL arguments, reply results) with `cbor.check_value`.
 Unknown keys are ignored, unread, so a later protocol version can add fields. Booleans
 are not integers here (CBOR keeps them apart even though Python does not), and
@@ -10,10 +10,10 @@ counters, ranks and waves must be >= 0.
 
 Encoding our own fixed-shape messages goes straight to cbor2 (made total by
 `cbor.encode`). Values that come from the application (an ADD body, CALL arguments) are
-checked against §7 before encoding, so a body that a conforming engine would have to
+checked against §8 before encoding, so a body that a conforming engine would have to
 reject is refused before it is sent; any failure to encode raises `ProtocolError`.
 
-Error scope (PROTOCOL.md §8.5): `decode_batch` raises only for a *connection* error (the
+Error scope (docs/protocol.md §7): `decode_batch` raises only for a *connection* error (the
 batch as a whole is not valid); a malformed entry is returned in `bad_entries` so that
 the caller can end just the request it names.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from . import cbor
 from .cbor import INT_MAX
@@ -95,7 +95,7 @@ def _kind(value: Any) -> str:
 
 def _count(m: Mapping[str, Any], key: str, what: str, *, required: bool = False) -> int | None:
     """A non-negative integer field (rank, size, seq, wave, epoch, call id, counts...),
-    at most 2^63 - 1 (§8.4). Null = absent."""
+    at most 2^63 - 1 (§1). Null = absent."""
     value = m.get(key)
     if value is None:
         if required:
@@ -242,7 +242,7 @@ def _handshake(m: dict[str, Any], kind: str | None) -> HandshakeMessage:
 
 def encode_request(msg: RequestMessage) -> tuple[bytes, bytes]:
     """The `(type, body)` frames of a request. Raises `ProtocolError` for a body or
-    argument that has no §7 form (the caller names the request)."""
+    argument that has no §8 form (the caller names the request)."""
     if isinstance(msg, Add):
         return ADD, cbor.dumps({"id": msg.id, "body": msg.body})
     if isinstance(msg, Abort):
@@ -297,7 +297,7 @@ def decode_request(kind: bytes, data: bytes | memoryview) -> RequestMessage | No
 
 def encode_batch(batch: OutputBatch) -> bytes:
     """The CBOR body of an output batch (engine side). Raises `ProtocolError` if an
-    output body or reply result has no §7 form."""
+    output body or reply result has no §8 form."""
     body: dict[str, Any] = {"rank": batch.rank}
     if batch.seq is not None:
         body["seq"] = batch.seq
@@ -397,8 +397,13 @@ def _usable_id(item: Any, key: str) -> str | int | None:
     return rid if type(rid) is str else None
 
 
-def _entries(raw: list[Any], key: str, parse: Any, bad: list[BadEntry]) -> tuple[Any, ...]:
-    """Parse every entry of one array; a malformed one goes to `bad` (§8.5 entry
+def _entries(
+    raw: list[Any],
+    key: Literal["outputs", "finished", "replies"],
+    parse: Any,
+    bad: list[BadEntry],
+) -> tuple[Any, ...]:
+    """Parse every entry of one array; a malformed one goes to `bad` (§7 entry
     error) instead of failing the batch. The common all-valid case is one `map`."""
     try:
         return tuple(map(parse, raw))
@@ -422,7 +427,7 @@ def _finished_id(item: Any) -> str:
 def decode_batch(data: bytes | memoryview) -> OutputBatch:
     """Decode one output batch as the client receives it.
 
-    Raises `ProtocolError` for what §8.5 calls a connection error: not §7 CBOR, not a
+    Raises `ProtocolError` for what §7 calls a connection error: not §8 CBOR, not a
     map, `rank` missing, or a known top-level key of the wrong type. A malformed entry
     of `outputs`, `finished` or `replies` does not fail the batch: it is returned in
     `bad_entries`, with the id it names if it names one, and the other entries stand.

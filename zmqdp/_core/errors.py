@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 QUOTE_LIMIT = 200
-"""At most this many characters of a peer's value appear in an error (§8.5)."""
+"""At most this many characters of a peer's value appear in an error (§7)."""
 
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = _repr.maxlong = QUOTE_LIMIT
@@ -63,7 +63,7 @@ class ZmqdpError(Exception):
 
 
 class ProtocolError(ZmqdpError):
-    """A peer sent bytes or a message that PROTOCOL.md does not allow.
+    """A peer sent bytes or a message that docs/protocol.md does not allow.
 
     Raised by the codec for any undecodable or invalid body; never anything else.
     `rank` and `request_id` are filled in by the layer that knows them; `message` is
@@ -99,7 +99,7 @@ class ProtocolError(ZmqdpError):
 
 
 class InvalidRequest(ZmqdpError, ValueError):
-    """A request cannot be sent as it is (for example its body has no CBOR form §7 allows)."""
+    """A request cannot be sent as it is (for example its body has no CBOR form §8 allows)."""
 
     def __init__(self, request_id: str, cause: str):
         self.request_id = request_id
@@ -166,7 +166,7 @@ class HandshakeRejected(ZmqdpError):
 
 
 class EngineDead(ZmqdpError):
-    """A rank was declared dead (PROTOCOL.md §6); the requests it held fail with this."""
+    """A rank was declared dead (docs/protocol.md §6); the requests it held fail with this."""
 
     def __init__(self, rank: int, cause: str, request_id: str | None = None):
         self.rank = rank
@@ -196,7 +196,7 @@ class CallTimeout(ZmqdpError, TimeoutError):
 
 class CallFailed(ZmqdpError):
     """The engine answered a `call()` with an error, or with a reply entry that was not
-    valid (§8.5); `error` is the engine's text or what was wrong."""
+    valid (§7); `error` is the engine's text or what was wrong."""
 
     def __init__(self, rank: int, method: str, error: str):
         self.rank = rank

@@ -1,4 +1,4 @@
-"""The client side of the grouped handshake (PROTOCOL.md §2, §8), as a plain state machine.
+"""The client side of the grouped handshake (docs/protocol.md §2), as a plain state machine.
 
 Theory of operation
 -------------------
@@ -11,7 +11,7 @@ READY arrives on the handshake socket and REGISTER on the input socket, over dif
 connections, so they may come in either order; a rank is *up* once both have arrived
 after its latest admitted HELLO. The group is ready when all N ranks are up.
 
-Incarnations are named (§8.2). Every admitted HELLO gets a fresh `epoch`, carried in the
+Incarnations are named (§2.3). Every admitted HELLO gets a fresh `epoch`, carried in the
 INIT; epochs only grow (from `first_epoch`, which the caller picks at random so that a
 restarted client does not hand out the numbers of its predecessor). The REGISTER must
 echo it: a REGISTER of another epoch comes from a dead incarnation and is stale,
@@ -23,16 +23,16 @@ A HELLO is answered with INIT or with REJECT and a reason: a version we do not s
 an identity that is not 2 bytes, a `rank` that differs from the identity or is out of
 range, a `size` other than N, a `lockstep` flag other than the ranks already admitted,
 or a body that is not a valid HELLO. An invalid READY is answered with REJECT too,
-naming READY (§8.5), and ends that rank's handshake. Rejections are kept (with the
+naming READY (§7), and ends that rank's handshake. Rejections are kept (with the
 identity) so a timeout can name them.
 
 A HELLO from a rank that is already admitted is a **rejoin**, during the handshake or
-after it, whether the HELLO is admitted or rejected (§8.5): that rank's previous
+after it, whether the HELLO is admitted or rejected (§7): that rank's previous
 incarnation is dead. The caller is told (`HelloVerdict.rejoin`) so it can fail what the
 old incarnation held. Two live processes claiming one rank show up as repeated rejoins;
 `rejoins[rank]` counts them.
 
-RESYNC (§8.3). The client asks every rank it is waiting for (one that has not said
+RESYNC (§2.5). The client asks every rank it is waiting for (one that has not said
 HELLO: at start-up, and after the caller `forget`s a dead rank) to start over, about
 once every `resync_interval` seconds, until it says HELLO: `resync_due(now)` says whom
 to send it to. This is how a restarted client picks up engines that kept running, and

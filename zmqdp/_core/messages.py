@@ -1,4 +1,4 @@
-"""Typed messages of PROTOCOL.md, one frozen class per message.
+"""Typed messages of docs/protocol.md, one frozen class per message.
 
 These are plain values: the codec (`codec.py`) turns them into bytes and back, and the
 state machines consume them. Field names follow the wire keys, except where a Python
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -48,13 +48,13 @@ class Hello:
     wave: int | None = None
     version: int = PROTOCOL_VERSION
     max_message_size: int | None = None
-    """The largest message this engine accepts (§8.4); None: the default, 64 MiB."""
+    """The largest message this engine accepts (§1); None: the default, 64 MiB."""
 
 
 @dataclass(frozen=True, slots=True)
 class Init:
     """client -> engine: the exact input and output addresses to connect to, and the
-    epoch that names this incarnation (§8.2)."""
+    epoch that names this incarnation (§2.3)."""
 
     input: str
     output: str
@@ -62,7 +62,7 @@ class Init:
     version: int = PROTOCOL_VERSION
     epoch: int | None = None
     max_message_size: int | None = None
-    """The largest message the client accepts: engines split batches to fit (§8.4)."""
+    """The largest message the client accepts: engines split batches to fit (§1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ class Ready:
 @dataclass(frozen=True, slots=True)
 class Register:
     """engine -> client on the input socket: proves the input route exists. Echoes the
-    INIT's `epoch` so a REGISTER of a dead incarnation cannot bring up the next (§8.2)."""
+    INIT's `epoch` so a REGISTER of a dead incarnation cannot bring up the next (§2.3)."""
 
     epoch: int | None = None
 
@@ -184,7 +184,7 @@ class OutputBatch:
     replies: tuple[Reply, ...] = ()
     dead: str | None = None
     bad_entries: tuple[BadEntry, ...] = ()
-    """Malformed entries of `outputs`, `finished` or `replies` (§8.5 entry errors):
+    """Malformed entries of `outputs`, `finished` or `replies` (§7 entry errors):
     filled in by the decoder, never encoded."""
 
 
@@ -192,6 +192,6 @@ class BadEntry(NamedTuple):
     """One malformed entry of a batch. `id` is the wire id (or, for `replies`, the call
     id) it names when that much is usable, else None; `cause` says what is wrong."""
 
-    key: str
+    key: Literal["outputs", "finished", "replies"]
     id: str | int | None
     cause: str

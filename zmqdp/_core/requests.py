@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A request has two names. The *application id* is the caller's (`Request.id`): unique
 among live requests, reusable as soon as the request ends, and the only id the API
-shows. The *wire id* is this book's (PROTOCOL.md §8.1): ``f"{app_id}#{serial}"`` with a
+shows. The *wire id* is this book's (docs/protocol.md §3): ``f"{app_id}#{serial}"`` with a
 serial that never repeats for the life of the book, so no two requests ever share a
 wire id, even when the application reuses its id right after an abort. Engines only
 ever see wire ids; every output is keyed by one.
@@ -19,7 +19,7 @@ terminal        an output with a `finish` string, from the rank holding it   FIN
 finished        its wire id in a batch's `finished`, with no client abort    TRUNCATED
 abort           `abort()`: the user's abort, or the stream closed early      ABORTED
 rollback        the submit was refused after the reservation (size)          ROLLED_BACK
-entry error     a malformed output entry names its wire id (§8.5)            PROTOCOL_ERROR
+entry error     a malformed output entry names its wire id (§7)            PROTOCOL_ERROR
 rank death      `rank_down()`: the rank died, rejoined or was declared dead  FAILED
 ==============  ===========================================================  ==============
 
@@ -27,7 +27,7 @@ Ordering rules the code relies on:
 
 * **Register before reserve.** `submit` rejects a live duplicate application id before
   it touches the routing state. Reserving first would make the duplicate's rollback
-  free the slot of the live request that owns the id (smg_connector.md §3.4).
+  free the slot of the live request that owns the id (the SMG connector's bug; see docs/design.md).
 * **Outputs follow the owner.** An output or `finished` entry only counts if it names a
   live wire id and comes from the rank that request was sent to. Anything else is
   dropped and counted: *late* if the wire id is one this book issued (the request has
@@ -38,7 +38,7 @@ Ordering rules the code relies on:
 * **Release by id, on every path.** A slot is held by wire id and released by the path
   that ends the request. Release is idempotent by id.
 * **Rank death** ends every request the rank held; a new incarnation of the rank
-  starts with no state (PROTOCOL.md §2).
+  starts with no state (docs/protocol.md §2).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class RequestBook(Generic[H]):
     # -- client side ------------------------------------------------------------------
 
     def new_wire_id(self, request_id: str) -> str:
-        """A wire id for `request_id` that this book has never issued (§8.1)."""
+        """A wire id for `request_id` that this book has never issued (§3)."""
         serial = self._serial
         self._serial = serial + 1
         return f"{request_id}#{serial}"
@@ -198,7 +198,7 @@ class RequestBook(Generic[H]):
     # -- engine side ------------------------------------------------------------------
 
     def fail_entry(self, rank: int, wire_id: str, cause: str) -> Ended[H] | None:
-        """A malformed entry on `rank` names `wire_id` (§8.5): end that request with a
+        """A malformed entry on `rank` names `wire_id` (§7): end that request with a
         protocol error if it is live there. None (the caller counts it) otherwise."""
         entry = self._live.get(wire_id)
         if entry is None or entry.rank != rank:

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 One object holds both the last load each rank reported and the ids this client has in
 flight on each rank, because every decision reads both and the SMG connector learned the
-hard way that two separately locked maps deadlock (smg_connector.md §3.5). Here there
+hard way that two separately locked maps deadlock (see docs/design.md). Here there
 are no locks at all: the object is used from one trio task at a time.
 
 * `select` scores every up rank as

@@ -10,22 +10,22 @@ The submit path (`submit`), in this order:
 
 1. validate the application id (a non-empty string of at most `MAX_ID_LENGTH`
    characters with a UTF-8 form) and the pinned rank (an int or None);
-2. take a fresh wire id (§8.1) and encode the ADD; any failure to encode raises
+2. take a fresh wire id (§3) and encode the ADD; any failure to encode raises
    `InvalidRequest` before anything is registered or reserved;
 3. register and reserve (`RequestBook.submit`: a live duplicate raises first);
-4. refuse an ADD larger than the chosen rank's `max_message_size` (§8.4), rolling the
+4. refuse an ADD larger than the chosen rank's `max_message_size` (§1), rolling the
    reservation back: the caller gets `InvalidRequest`, nothing is sent or kept;
 5. hand back the rank, the wire id and the frames to send.
 
 Per output message (`on_message`), in this order (the order matters, see each module):
 
 1. the identity must name a rank; a message with the wrong frame count from a rank is a
-   *connection error* (§8.5): the rank is dead at once;
+   *connection error* (§7): the rank is dead at once;
 2. a message from a rank that is not up is stale: counted, nothing else;
 3. the body is decoded; any failure of the batch as a whole is a connection error;
-4. a batch whose `epoch` is not the rank's current one is stale (§8.2): counted, never
+4. a batch whose `epoch` is not the rank's current one is stale (§2.3): counted, never
    applied (no outputs, no load, no seq, no dead, and it does not count as heard);
-5. malformed entries end the requests they name with a protocol error (§8.5 entry
+5. malformed entries end the requests they name with a protocol error (§7 entry
    errors), so that request's other entries in the batch are then late;
 6. the load snapshot is stored (seq-aware, `Routing.observe_load`);
 7. wave events are applied: `wave_complete` folds the clock, `start_wave` folds it and
@@ -34,7 +34,7 @@ Per output message (`on_message`), in this order (the order matters, see each mo
    slots are released (`RequestBook.apply_batch`);
 9. a `dead` announcement is applied last, after everything else the batch carried.
 
-Health, per rank (PROTOCOL.md §6, §8.5, §8.6): a rank is declared dead when it
+Health, per rank (docs/protocol.md §6, §7, §6): a rank is declared dead when it
 announces `dead`, says HELLO again, sends one message that is not a valid batch, fails
 a send, or holds requests and stays silent past `silence_timeout`. Silence is measured
 from the later of its last batch and the moment it went from holding nothing to holding
@@ -57,9 +57,17 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from .codec import decode_batch, encode_request
-from .errors import InvalidRequest, ProtocolError, quote
+from .errors import (
+    EngineDead,
+    GroupClosed,
+    InvalidRequest,
+    ProtocolError,
+    StreamTruncated,
+    ZmqdpError,
+    quote,
+)
 from .handshake import identity_rank
-from .messages import Add, BadEntry, OutputBatch, Reply
+from .messages import Abort, Add, BadEntry, OutputBatch, Reply
 from .requests import BatchEffects, Ended, Outcome, RequestBook
 from .routing import Routing
 from .waves import WaveClock
@@ -76,17 +84,20 @@ __all__ = [
 H = TypeVar("H")
 
 DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
-"""PROTOCOL.md §1 and §8.4: what a peer accepts unless it says otherwise."""
+"""docs/protocol.md §1 and §1: what a peer accepts unless it says otherwise."""
 
 MAX_ID_LENGTH = 512
 """Longest application id accepted, in characters: ids appear in every log line."""
 
+_ABORT_BUDGET = 64 * 1024  # bytes per ABORT at close: keeps each message small
+
 
 @dataclass(slots=True)
 class RankHealth:
-    up: bool = False
+    """The watchdog state of one incarnation (whether the rank is up is `Routing`'s)."""
+
     epoch: int | None = None
-    """The current incarnation's epoch (§8.2); None for a revision-1 engine."""
+    """The current incarnation's epoch (§2.3); None for a revision-1 engine."""
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     last_heard: float = 0.0
     last_output: float = 0.0
@@ -120,6 +131,26 @@ class BatchResult(Generic[H]):
 
 
 @dataclass(slots=True)
+class Failure(Generic[H]):
+    """What declaring a rank dead, or closing the group, decided; the trio layer
+    carries it out in this order."""
+
+    rank: int | None
+    """The rank that died (None: the group was closed)."""
+    cause: str
+    ended: list[tuple[Ended[H], ZmqdpError]] = field(default_factory=list)
+    """Each request that ended, and the error its stream raises."""
+    aborts: list[tuple[int, tuple[bytes, bytes]]] = field(default_factory=list)
+    """ABORT frames to send, per rank (§9): the requests of ranks still up."""
+    forget: int | None = None
+    """This rank's handshake starts over (it must say HELLO again)."""
+    resync: bool = False
+    """RESYNC `forget` until it says HELLO (§2.5)."""
+    closed: GroupClosed | None = None
+    """The group is closed: every rank is down, every later submit fails."""
+
+
+@dataclass(slots=True)
 class GroupCounters:
     submitted: int = 0
     finished: int = 0
@@ -133,7 +164,6 @@ class GroupCounters:
     stale_messages: int = 0
     late_outputs: int = 0
     unknown_outputs: int = 0
-    wakes: int = 0
     stall_wakes: int = 0
     by_outcome: dict[Outcome, str] = field(
         default_factory=lambda: {
@@ -211,6 +241,9 @@ class GroupCore(Generic[H]):
         self.clock: WaveClock | None = WaveClock(wave) if lockstep else None
         self.health = [RankHealth() for _ in range(size)]
         self.counters = GroupCounters()
+        self.closed: GroupClosed | None = None
+        """Why the group is closed or failed; None while it serves."""
+        self._adds_since_wake = False
 
     # -- ranks ------------------------------------------------------------------------
 
@@ -226,7 +259,6 @@ class GroupCore(Generic[H]):
         """A new incarnation of `rank` finished its handshake."""
         self.book.rank_up(rank)
         self.health[rank] = RankHealth(
-            up=True,
             epoch=epoch,
             max_message_size=DEFAULT_MAX_MESSAGE_SIZE
             if max_message_size is None
@@ -238,23 +270,103 @@ class GroupCore(Generic[H]):
             self.clock.observe_hello(hello_wave)
 
     def is_up(self, rank: int) -> bool:
-        return 0 <= rank < self.size and self.health[rank].up
+        """The one source of truth for "rank is up" (kept by `Routing`)."""
+        return type(rank) is int and self.routing.is_up(rank)
 
-    def rank_dead(self, rank: int, cause: str) -> list[Ended[H]]:
-        """Declare `rank` dead: end what it held. Idempotent."""
-        self.health[rank].up = False
+    def rank_down(self, rank: int, cause: str, *, rejoin: bool = False) -> Failure[H] | None:
+        """Declare `rank` dead (§6) and apply the group's policy; None if it was not up.
+
+        Independent: its requests end with `EngineDead`; unless it already said HELLO
+        again (`rejoin`), its handshake starts over and it is RESYNCed until it does.
+        Lockstep: its peers cannot progress without it, so the whole group fails.
+        """
+        if not self.is_up(rank):
+            return None
+        if self.lockstep:
+            dead = EngineDead(rank, cause)
+            return self._fail_group(
+                GroupClosed(f"the lockstep group failed: {dead}"), dead_rank=rank, cause=cause
+            )
         ended = self.book.rank_down(rank, cause)
         self.counters.count(ended)
-        return ended
+        return Failure(
+            rank=rank,
+            cause=cause,
+            ended=[(e, EngineDead(rank, cause, e.request_id)) for e in ended],
+            forget=None if rejoin else rank,
+            resync=not rejoin,
+        )
 
-    def fail_all(self, cause: str) -> list[Ended[H]]:
-        """End every live request (the lockstep policy, or closing the group)."""
+    def close(self, cause: str = "the engine group was closed") -> Failure[H] | None:
+        """Close the group: end every live request and ABORT it on its rank (§9).
+        None if it was closed already."""
+        return self._fail_group(GroupClosed(cause))
+
+    def _fail_group(
+        self, reason: GroupClosed, *, dead_rank: int | None = None, cause: str = ""
+    ) -> Failure[H] | None:
+        if self.closed is not None:
+            return None
+        self.closed = reason
+        up = [self.is_up(r) and r != dead_rank for r in range(self.size)]
         ended: list[Ended[H]] = []
         for rank in range(self.size):
-            self.health[rank].up = False
-            ended += self.book.rank_down(rank, cause)
+            ended += self.book.rank_down(rank, reason.cause)
         self.counters.count(ended)
-        return ended
+        by_rank: dict[int, list[str]] = {}
+        for e in ended:
+            if up[e.rank]:
+                by_rank.setdefault(e.rank, []).append(e.wire_id)
+        return Failure(
+            rank=dead_rank,
+            cause=cause or reason.cause,
+            ended=[
+                (
+                    e,
+                    EngineDead(e.rank, cause, e.request_id)
+                    if e.rank == dead_rank
+                    else GroupClosed(reason.cause, request_id=e.request_id),
+                )
+                for e in ended
+            ],
+            aborts=[
+                (rank, frames)
+                for rank, wids in by_rank.items()
+                for frames in self._abort_frames(rank, wids)
+            ],
+            forget=dead_rank,
+            closed=reason,
+        )
+
+    def _abort_frames(self, rank: int, wire_ids: list[str]) -> list[tuple[bytes, bytes]]:
+        """ABORTs of these wire ids, each small enough for the rank to accept (§1)."""
+        budget = min(self.health[rank].max_message_size, _ABORT_BUDGET) - 16
+        out = []
+        chunk: list[str] = []
+        size = 0
+        for wid in wire_ids:
+            cost = len(wid.encode()) + 9  # the string and its longest CBOR head
+            if chunk and size + cost > budget:
+                out.append(encode_request(Abort(tuple(chunk))))
+                chunk, size = [], 0
+            chunk.append(wid)
+            size += cost
+        if chunk:
+            out.append(encode_request(Abort(tuple(chunk))))
+        return out
+
+    def ending_error(self, ended: Ended[H]) -> ZmqdpError | None:
+        """What the stream of a request that ended on the engine's side raises after its
+        outputs (None: a clean end)."""
+        if ended.outcome is Outcome.TRUNCATED:
+            return StreamTruncated(ended.rank, ended.request_id)
+        if ended.outcome is Outcome.PROTOCOL_ERROR:
+            return ProtocolError(
+                ended.cause or "malformed entry", rank=ended.rank, request_id=ended.request_id
+            )
+        if ended.outcome is Outcome.FAILED:
+            return EngineDead(ended.rank, ended.cause or "dead", ended.request_id)
+        return None
 
     # -- submit path ------------------------------------------------------------------
 
@@ -264,6 +376,8 @@ class GroupCore(Generic[H]):
         Raises `InvalidRequest`, `DuplicateRequestId`, `InvalidRank` or
         `NoEngineAvailable`; after any of them nothing is registered or reserved.
         """
+        if self.closed is not None:
+            raise GroupClosed(self.closed.cause, request_id=str(request_id))
         request_id = check_request_id(request_id)
         pinned = check_rank(request_id, rank)
         wire_id = self.book.new_wire_id(request_id)
@@ -283,6 +397,7 @@ class GroupCore(Generic[H]):
                 "max_message_size)",
             )
         self.counters.submitted += 1
+        self._adds_since_wake = self.lockstep
         if self.routing.inflight_count(chosen) == 1:  # it held nothing: the clocks start now
             health = self.health[chosen]
             health.last_heard = now
@@ -291,7 +406,7 @@ class GroupCore(Generic[H]):
         return Submitted(chosen, wire_id, frames)
 
     def _fits(self, rank: int, frames: tuple[bytes, bytes]) -> bool:
-        """§8.4: the engine accepts a message this large."""
+        """§1: the engine accepts a message this large."""
         return len(frames[0]) + len(frames[1]) <= self.health[rank].max_message_size
 
     def abort(self, request_id: str, handle: H | None = None) -> Ended[H] | None:
@@ -302,11 +417,12 @@ class GroupCore(Generic[H]):
             self.counters.count((ended,))
         return ended
 
-    def wake_after_adds(self) -> int | None:
-        """Lockstep: the WAKE to send to every rank after ADDs (None: independent)."""
-        if self.clock is None:
+    def after_flush(self) -> int | None:
+        """The input task sent a run of messages: in a lockstep group that sent ADDs,
+        the wave to WAKE every rank with (§5: one WAKE for several ADDs), else None."""
+        if not self._adds_since_wake or self.clock is None:
             return None
-        self.counters.wakes += 1
+        self._adds_since_wake = False
         return self.clock.wake_after_adds()
 
     # -- dispatcher -------------------------------------------------------------------
@@ -322,7 +438,7 @@ class GroupCore(Generic[H]):
                 error=ProtocolError(f"output: a message from identity {who}, which is no rank")
             )
         if len(frames) != 2:
-            if not self.health[rank].up:
+            if not self.is_up(rank):
                 self.counters.stale_messages += 1
                 return rank, BatchResult()
             return rank, self._connection_error(
@@ -333,7 +449,7 @@ class GroupCore(Generic[H]):
     def on_batch(self, rank: int, body: bytes, now: float) -> BatchResult[H]:
         """One output batch body from identity `rank` (already checked to be in range)."""
         health = self.health[rank]
-        if not health.up:
+        if not self.is_up(rank):
             self.counters.stale_messages += 1
             return BatchResult()
         try:
@@ -350,11 +466,11 @@ class GroupCore(Generic[H]):
         return self._apply(rank, health, batch, now)
 
     def _decode(self, body: bytes) -> OutputBatch:
-        """Raises `ProtocolError` only for a connection error (§8.5)."""
+        """Raises `ProtocolError` only for a connection error (§7)."""
         return decode_batch(body)
 
     def _is_stale(self, health: RankHealth, batch: OutputBatch) -> bool:
-        """§8.2: a batch of another incarnation (a body without an epoch is current)."""
+        """§2.3: a batch of another incarnation (a body without an epoch is current)."""
         return batch.epoch is not None and batch.epoch != health.epoch
 
     def _apply(
@@ -374,7 +490,6 @@ class GroupCore(Generic[H]):
                 clock.wave_complete(batch.wave_complete)
             if batch.start_wave is not None:
                 result.wake = clock.start_wave(batch.start_wave)
-                self.counters.wakes += 1
         if batch.outputs or batch.finished:
             fx = self.book.apply_batch(rank, batch.outputs, batch.finished, fx)
             self.counters.late_outputs += fx.late
@@ -392,7 +507,7 @@ class GroupCore(Generic[H]):
     def _bad_entries(
         self, rank: int, bad: tuple[BadEntry, ...]
     ) -> tuple[BatchEffects[H], tuple[tuple[int, str], ...]]:
-        """§8.5 entry errors: end each request a malformed entry names; count the rest."""
+        """§7 entry errors: end each request a malformed entry names; count the rest."""
         fx: BatchEffects[H] = BatchEffects()
         calls = []
         self.counters.malformed_entries += len(bad)
@@ -433,8 +548,8 @@ class GroupCore(Generic[H]):
     def next_deadline(self) -> float:
         """The earliest time `on_timeout` has something to do (inf: nothing)."""
         deadline = math.inf
-        for rank, health in enumerate(self.health):
-            if health.up and self.routing.inflight_count(rank):
+        for rank in range(self.size):
+            if self.is_up(rank) and self.routing.inflight_count(rank):
                 deadline = min(deadline, *self._deadlines(rank))
         return deadline
 
@@ -444,7 +559,7 @@ class GroupCore(Generic[H]):
         wake: int | None = None
         for rank, health in enumerate(self.health):
             held = self.routing.inflight_count(rank)
-            if not health.up or not held:
+            if not self.is_up(rank) or not held:
                 continue
             dead_at, stall_at = self._deadlines(rank)
             if now >= dead_at:

@@ -1,4 +1,4 @@
-"""The client's wave clock for lockstep groups (PROTOCOL.md §5).
+"""The client's wave clock for lockstep groups (docs/protocol.md §5).
 
 Theory of operation
 -------------------
@@ -60,7 +60,7 @@ class WaveClock:
         """A rank finished wave `wave` and parked at `wave + 1`. Never wakes anyone."""
         self.completes += 1
         if wave + 1 > self._wave:
-            self._wave = min(wave + 1, _WAVE_MAX)  # a WAKE above 2^63 - 1 is invalid (§8.4)
+            self._wave = min(wave + 1, _WAVE_MAX)  # a WAKE above 2^63 - 1 is invalid (§1)
 
     def start_wave(self, wave: int) -> int:
         """A parked rank got work at `wave`. Returns the wave to WAKE every rank with."""
