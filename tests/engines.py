@@ -4,13 +4,13 @@
 
 * ``{"tokens": k}``: emit k outputs, one batch each, the last with finish "length";
 * ``{"hold": True}``: keep the request until the test calls `finish()` or the client
-  aborts it (then it is listed in `finished`, as PROTOCOL.md §3 asks);
+  aborts it (then it is listed in `finished`, as docs/protocol.md §3 asks);
 * anything else: one terminal output echoing the body.
 
 Every batch carries `load` from `load_override` if set, else from what it holds. Every
 inbound message is recorded in `inbox`, so tests can check what reached which rank.
 
-Engines only ever see wire ids (``app-id#serial``, PROTOCOL.md §8.1): `held` is keyed
+Engines only ever see wire ids (``app-id#serial``, docs/protocol.md §3): `held` is keyed
 by wire id, `holds(app_id)` and `wire(app_id)` translate for the tests.
 """
 

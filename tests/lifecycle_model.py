@@ -46,10 +46,10 @@ from zmqdp._core.errors import (
     InvalidRequest,
     NoEngineAvailable,
 )
-from zmqdp._core.state import GroupCore
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Load
 from zmqdp._core.requests import Outcome
+from zmqdp._core.state import GroupCore
 
 IDS = ["a", "b", "c", "d"]
 MAX_RANKS = 4

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from zmqdp._core.errors import ProtocolError
-from zmqdp._core.state import GroupCore, RankHealth
 from zmqdp._core.messages import OutputBatch
 from zmqdp._core.requests import RequestBook
+from zmqdp._core.state import GroupCore, RankHealth
 from zmqdp._core.waves import WaveClock
 
 # -- request lifecycle (caught by tests/lifecycle_model.py) ----------------------------

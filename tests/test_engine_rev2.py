@@ -1,9 +1,9 @@
-"""The engine side of PROTOCOL.md revision 2 (§8): epochs, RESYNC, sizes.
+"""The engine side of docs/protocol.md revision 2: epochs, RESYNC, sizes.
 
 The client here is a fake made of raw ROUTER sockets (`FakeClient`), so these tests
 depend on nothing but the codec and `zmqdp.engine`. Socket monitors tell when a
-connection was accepted or dropped, so nothing waits on a clock. Every test has an
-absolute `trio.fail_after`.
+connection was accepted or dropped, so nothing waits on a clock. Every test runs under
+the absolute time limit of conftest.py.
 """
 
 from __future__ import annotations
@@ -43,16 +43,10 @@ from zmqdp._zmq import ZSocket
 from zmqdp.engine import Engine, _split, connect_engine
 from zmqdp.mock import MockConfig, RankFaults, run_mock_group
 
-TIMEOUT = 20
+from .helpers import raw, wait_until
+
 ACCEPTED = zmq.EVENT_ACCEPTED
 DISCONNECTED = zmq.EVENT_DISCONNECTED
-
-
-@pytest.fixture
-def ctx() -> Any:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)  # closes whatever a failed test left open
 
 
 class Monitor:
@@ -85,11 +79,10 @@ class FakeClient:
 
     @staticmethod
     def _router(ctx: Any, address: str) -> ZSocket:
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.bind(address)
-        return ZSocket(sock, safety_timeout=30)
+        zs = raw(ctx, zmq.ROUTER)
+        zs.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        zs.sock.bind(address)
+        return zs
 
     async def hello(self) -> Hello:
         [[identity, body]] = await self.hs.receive_batch(1)
@@ -191,13 +184,6 @@ class App:
             await self.changed.wait()
 
 
-async def until(predicate: Callable[..., bool], *args: Any) -> None:
-    """Wait for a state that libzmq's I/O threads bring about: check again at every
-    scheduling round (no clock involved)."""
-    while not predicate(*args):
-        await trio.lowlevel.checkpoint()
-
-
 # -- (a) sizes and epochs in HELLO, REGISTER and batches ------------------------------
 
 
@@ -205,136 +191,131 @@ async def until(predicate: Callable[..., bool], *args: Any) -> None:
 async def test_hello_says_the_size_and_register_and_batches_echo_the_epoch(
     ctx: Any, tmp_path: Path, epoch: int | None
 ) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        app = App(client.url, max_message_size=12345)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            hello, register = await client.handshake(epoch)
-            assert hello == Hello(0, 1, False, max_message_size=12345)
-            assert register == Register(epoch=epoch)
-            assert ("epoch" in cbor2.loads(client.register_body)) == (epoch is not None)
-            await app.connected.wait()
-            assert app.engine.epoch == epoch
-            for i in range(3):
-                await client.request(Add(f"r{i}", i))
-            bodies = [await client.body() for _ in range(3)]
-            batches = [decode_batch(b) for b in bodies]
-            assert [(b.epoch, b.seq) for b in batches] == [(epoch, 0), (epoch, 1), (epoch, 2)]
-            assert [b.outputs[0].request_id for b in batches] == ["r0", "r1", "r2"]
-            assert all(("epoch" in cbor2.loads(b)) == (epoch is not None) for b in bodies)
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    app = App(client.url, max_message_size=12345)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        hello, register = await client.handshake(epoch)
+        assert hello == Hello(0, 1, False, max_message_size=12345)
+        assert register == Register(epoch=epoch)
+        assert ("epoch" in cbor2.loads(client.register_body)) == (epoch is not None)
+        await app.connected.wait()
+        assert app.engine.epoch == epoch
+        for i in range(3):
+            await client.request(Add(f"r{i}", i))
+        bodies = [await client.body() for _ in range(3)]
+        batches = [decode_batch(b) for b in bodies]
+        assert [(b.epoch, b.seq) for b in batches] == [(epoch, 0), (epoch, 1), (epoch, 2)]
+        assert [b.outputs[0].request_id for b in batches] == ["r0", "r1", "r2"]
+        assert all(("epoch" in cbor2.loads(b)) == (epoch is not None) for b in bodies)
+        nursery.cancel_scope.cancel()
 
 
 async def test_hello_says_the_default_size(ctx: Any, tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(App(client.url).run)
-            hello, _ = await client.handshake(1)
-            assert hello.max_message_size == DEFAULT_MAX_MESSAGE_SIZE
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(App(client.url).run)
+        hello, _ = await client.handshake(1)
+        assert hello.max_message_size == DEFAULT_MAX_MESSAGE_SIZE
+        nursery.cancel_scope.cancel()
 
 
 # -- (b) RESYNC -----------------------------------------------------------------------
 
 
 async def test_resync_starts_a_new_incarnation_on_new_connections(ctx: Any, tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        app = App(client.url, gated=True)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            await client.handshake(1)
-            await app.connected.wait()
-            inbound, handshake = app.engine._in_recv, app.engine._handshake
-            start = 0
-            for epoch in (1, 2, 3):  # the input task's race with RESYNC, three times
-                # The application reads nothing until the inbound queue is full and the
-                # input task waits to hand on more ADDs; only then does the engine get
-                # a RESYNC. None of those ADDs may reach the application after Resync.
-                for i in range(5):
-                    await client.request(Add(f"early{i}", None))  # answered, old epoch
-                for i in range(2000):
-                    await client.request(Add(f"old{i}", "quiet"))
-                await until(lambda: inbound.statistics().current_buffer_used == 1024)
-                await client.resync()
-                # INIT and RESYNC of each round so far are off the handshake socket
-                await until(lambda n: handshake.statistics().received == n, 2 * epoch)
-                app.gate.set()
-                await client.hello()
-                await client.init(epoch + 1)
-                await client.ready()
-                assert await client.register() == Register(epoch=epoch + 1)
-                # both sockets are new connections; the old ones are gone
-                for events in (client.inp_events, client.out_events):
-                    await events.wait_for(ACCEPTED, epoch + 1)
-                    await events.wait_for(DISCONNECTED, epoch)
-                assert app.engine.epoch == epoch + 1
-                await client.request(Add(f"new{epoch}", None))
-                current: list[OutputBatch] = []
-                while not any(o.request_id == f"new{epoch}" for b in current for o in b.outputs):
-                    batch = await client.batch()
-                    if batch.epoch == epoch + 1:
-                        current.append(batch)
-                    else:  # sent before the RESYNC; the client drops it
-                        assert batch.epoch is not None and batch.epoch <= epoch
-                assert [b.seq for b in current] == list(range(len(current)))  # from 0 again
-                assert all((decode_batch(b).epoch or 0) <= epoch for [b] in client.handed_over)
-                await app.wait_for(lambda m: m in app.inbox, Add(f"new{epoch}", None))
-                round_, start = app.inbox[start:], len(app.inbox)
-                app.gate = trio.Event()  # pause the application for the next round
-                resyncs = [i for i, m in enumerate(round_) if isinstance(m, Resync)]
-                assert len(resyncs) == 1
-                before, after = round_[: resyncs[0]], round_[resyncs[0] + 1 :]
-                assert all(isinstance(m, Add) and m.id[:3] in ("ear", "old") for m in before)
-                assert after == [Add(f"new{epoch}", None)]
-            stats = app.engine.statistics()
-            assert (stats.handshakes, stats.resyncs, stats.fallbacks) == (4, 3, 0)
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    app = App(client.url, gated=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        await client.handshake(1)
+        await app.connected.wait()
+        inbound, handshake = app.engine._in_recv, app.engine._handshake
+        start = 0
+        for epoch in (1, 2, 3):  # the input task's race with RESYNC, three times
+            # The application reads nothing until the inbound queue is full and the
+            # input task waits to hand on more ADDs; only then does the engine get
+            # a RESYNC. None of those ADDs may reach the application after Resync.
+            for i in range(5):
+                await client.request(Add(f"early{i}", None))  # answered, old epoch
+            for i in range(2000):
+                await client.request(Add(f"old{i}", "quiet"))
+            await wait_until(lambda: inbound.statistics().current_buffer_used == 1024)
+            await client.resync()
+            # INIT and RESYNC of each round so far are off the handshake socket
+            await wait_until(lambda n: handshake.statistics().received == n, 2 * epoch)
+            app.gate.set()
+            await client.hello()
+            await client.init(epoch + 1)
+            await client.ready()
+            assert await client.register() == Register(epoch=epoch + 1)
+            # both sockets are new connections; the old ones are gone
+            for events in (client.inp_events, client.out_events):
+                await events.wait_for(ACCEPTED, epoch + 1)
+                await events.wait_for(DISCONNECTED, epoch)
+            assert app.engine.epoch == epoch + 1
+            await client.request(Add(f"new{epoch}", None))
+            current: list[OutputBatch] = []
+            while not any(o.request_id == f"new{epoch}" for b in current for o in b.outputs):
+                batch = await client.batch()
+                if batch.epoch == epoch + 1:
+                    current.append(batch)
+                else:  # sent before the RESYNC; the client drops it
+                    assert batch.epoch is not None and batch.epoch <= epoch
+            assert [b.seq for b in current] == list(range(len(current)))  # from 0 again
+            assert all((decode_batch(b).epoch or 0) <= epoch for [b] in client.handed_over)
+            await app.wait_for(lambda m: m in app.inbox, Add(f"new{epoch}", None))
+            round_, start = app.inbox[start:], len(app.inbox)
+            app.gate = trio.Event()  # pause the application for the next round
+            resyncs = [i for i, m in enumerate(round_) if isinstance(m, Resync)]
+            assert len(resyncs) == 1
+            before, after = round_[: resyncs[0]], round_[resyncs[0] + 1 :]
+            assert all(isinstance(m, Add) and m.id[:3] in ("ear", "old") for m in before)
+            assert after == [Add(f"new{epoch}", None)]
+        stats = app.engine.statistics()
+        assert (stats.handshakes, stats.resyncs, stats.fallbacks) == (4, 3, 0)
+        nursery.cancel_scope.cancel()
 
 
 async def test_batches_queued_before_the_new_init_are_dropped(ctx: Any, tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        app = App(client.url)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            await client.handshake(1)
-            await app.connected.wait()
-            await client.resync()
-            await client.hello()
-            await app.wait_for(lambda: Resync() in app.inbox)
-            # the application answers the Resync before the client has sent INIT
-            await app.engine.send(OutputBatch(0, outputs=(Output("stale", None, "stop"),)))
-            assert app.engine.epoch == 1
-            await client.init(2)
-            await client.ready()
-            await client.register()
-            await app.engine.send(OutputBatch(0, outputs=(Output("fresh", None, "stop"),)))
-            batch = await client.batch()  # "stale" went nowhere: "fresh" is the first
-            assert (batch.epoch, batch.seq, batch.outputs[0].request_id) == (2, 0, "fresh")
-            assert app.engine.statistics().stale_dropped == 1
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    app = App(client.url)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        await client.handshake(1)
+        await app.connected.wait()
+        await client.resync()
+        await client.hello()
+        await app.wait_for(lambda: Resync() in app.inbox)
+        # the application answers the Resync before the client has sent INIT
+        await app.engine.send(OutputBatch(0, outputs=(Output("stale", None, "stop"),)))
+        assert app.engine.epoch == 1
+        await client.init(2)
+        await client.ready()
+        await client.register()
+        await app.engine.send(OutputBatch(0, outputs=(Output("fresh", None, "stop"),)))
+        batch = await client.batch()  # "stale" went nowhere: "fresh" is the first
+        assert (batch.epoch, batch.seq, batch.outputs[0].request_id) == (2, 0, "fresh")
+        assert app.engine.statistics().stale_dropped == 1
+        nursery.cancel_scope.cancel()
 
 
 async def test_resync_while_waiting_for_init_is_ignored(ctx: Any, tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        app = App(client.url)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            await client.hello()
-            await client.resync()  # the engine is at HELLO already: nothing to redo
-            await client.init(1)
-            await client.ready()
-            await client.register()
-            await client.request(Add("a", None))
-            batch = await client.batch()
-            assert (batch.epoch, batch.outputs[0].request_id) == (1, "a")
-            assert app.inbox == [Add("a", None)]
-            assert app.engine.statistics().resyncs == 0
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    app = App(client.url)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        await client.hello()
+        await client.resync()  # the engine is at HELLO already: nothing to redo
+        await client.init(1)
+        await client.ready()
+        await client.register()
+        await client.request(Add("a", None))
+        batch = await client.batch()
+        assert (batch.epoch, batch.outputs[0].request_id) == (1, "a")
+        assert app.inbox == [Add("a", None)]
+        assert app.engine.statistics().resyncs == 0
+        nursery.cancel_scope.cancel()
 
 
 async def test_an_application_blocked_in_send_still_gets_its_resync(
@@ -343,26 +324,25 @@ async def test_an_application_blocked_in_send_still_gets_its_resync(
     """The client reads no outputs, so the application ends up blocked in `send()` and
     the inbound queue fills up. A RESYNC must still get through: the output task keeps
     dropping the stale batches, so the application reads on and takes its `Resync`."""
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        client.out.sock.setsockopt(zmq.RCVHWM, 1)
-        app = App(client.url, pad=1000)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            await client.handshake(1)
-            await app.connected.wait()
-            for i in range(6000):
-                await client.request(Add(f"a{i}", None))
-            inbound = app.engine._in_recv
-            await until(lambda: inbound.statistics().current_buffer_used == 1024)
-            await client.resync()
-            await client.hello()
-            await client.init(2)
-            await client.ready()
-            assert await client.register() == Register(epoch=2)
-            await app.wait_for(lambda: Resync() in app.inbox)
-            assert app.engine.statistics().stale_dropped > 0
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    client.out.sock.setsockopt(zmq.RCVHWM, 1)
+    app = App(client.url, pad=1000)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        await client.handshake(1)
+        await app.connected.wait()
+        for i in range(6000):
+            await client.request(Add(f"a{i}", None))
+        inbound = app.engine._in_recv
+        await wait_until(lambda: inbound.statistics().current_buffer_used == 1024)
+        await client.resync()
+        await client.hello()
+        await client.init(2)
+        await client.ready()
+        assert await client.register() == Register(epoch=2)
+        await app.wait_for(lambda: Resync() in app.inbox)
+        assert app.engine.statistics().stale_dropped > 0
+        nursery.cancel_scope.cancel()
 
 
 # -- (c) a connection libzmq dropped for an oversized message -------------------------
@@ -371,83 +351,80 @@ async def test_an_application_blocked_in_send_still_gets_its_resync(
 async def test_oversized_message_drops_the_input_connection_until_a_resync(
     ctx: Any, tmp_path: Path
 ) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        app = App(client.url, max_message_size=1000)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            await client.handshake(1)
-            await client.inp_events.wait_for(ACCEPTED, 1)
-            await client.request(Add("huge", "x" * 5000))
-            await client.inp_events.wait_for(DISCONNECTED, 1)  # the engine refused it
-            await client.request(Add("lost", None))  # no connection: it goes nowhere
-            await client.resync()
-            await client.hello()
-            await client.init(2)
-            await client.ready()
-            assert await client.register() == Register(epoch=2)
-            await client.request(Add("ok", None))
-            batch = await client.batch()
-            assert (batch.epoch, batch.outputs[0].request_id) == (2, "ok")
-            assert app.inbox == [Resync(), Add("ok", None)]
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    app = App(client.url, max_message_size=1000)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        await client.handshake(1)
+        await client.inp_events.wait_for(ACCEPTED, 1)
+        await client.request(Add("huge", "x" * 5000))
+        await client.inp_events.wait_for(DISCONNECTED, 1)  # the engine refused it
+        await client.request(Add("lost", None))  # no connection: it goes nowhere
+        await client.resync()
+        await client.hello()
+        await client.init(2)
+        await client.ready()
+        assert await client.register() == Register(epoch=2)
+        await client.request(Add("ok", None))
+        batch = await client.batch()
+        assert (batch.epoch, batch.outputs[0].request_id) == (2, "ok")
+        assert app.inbox == [Resync(), Add("ok", None)]
+        nursery.cancel_scope.cancel()
 
 
 # -- (d) splitting --------------------------------------------------------------------
 
 
 async def test_a_batch_larger_than_the_client_accepts_is_split(ctx: Any, tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        app = App(client.url)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            await client.handshake(3, max_message_size=2000)
-            await app.connected.wait()
-            outputs = tuple(Output(f"r{i:03}", "t" * 90, None) for i in range(100))
-            load = Load(3, 100, 0.25)
-            await app.engine.send(
-                OutputBatch(0, outputs=outputs, finished=("gone",), load=load, dead="bye")
-            )
-            bodies: list[bytes] = []
-            got: list[OutputBatch] = []
-            while not got or got[-1].dead is None:
-                bodies.append(await client.body())
-                got.append(decode_batch(bodies[-1]))
-            assert len(got) > 5 and all(len(b) <= 2000 for b in bodies)
-            assert tuple(o for b in got for o in b.outputs) == outputs
-            assert [f for b in got for f in b.finished] == ["gone"]
-            assert [b.seq for b in got] == list(range(len(got)))
-            assert all(b.epoch == 3 for b in got)
-            assert [b.load for b in got] == [None] * (len(got) - 1) + [load]
-            assert [b.dead for b in got] == [None] * (len(got) - 1) + ["bye"]
-            # the next batch carries on the numbering, and a small one is not split
-            await app.engine.send(OutputBatch(0, load=load))
-            assert (await client.batch()).seq == len(got)
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    app = App(client.url)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        await client.handshake(3, max_message_size=2000)
+        await app.connected.wait()
+        outputs = tuple(Output(f"r{i:03}", "t" * 90, None) for i in range(100))
+        load = Load(3, 100, 0.25)
+        await app.engine.send(
+            OutputBatch(0, outputs=outputs, finished=("gone",), load=load, dead="bye")
+        )
+        bodies: list[bytes] = []
+        got: list[OutputBatch] = []
+        while not got or got[-1].dead is None:
+            bodies.append(await client.body())
+            got.append(decode_batch(bodies[-1]))
+        assert len(got) > 5 and all(len(b) <= 2000 for b in bodies)
+        assert tuple(o for b in got for o in b.outputs) == outputs
+        assert [f for b in got for f in b.finished] == ["gone"]
+        assert [b.seq for b in got] == list(range(len(got)))
+        assert all(b.epoch == 3 for b in got)
+        assert [b.load for b in got] == [None] * (len(got) - 1) + [load]
+        assert [b.dead for b in got] == [None] * (len(got) - 1) + ["bye"]
+        # the next batch carries on the numbering, and a small one is not split
+        await app.engine.send(OutputBatch(0, load=load))
+        assert (await client.batch()).seq == len(got)
+        nursery.cancel_scope.cancel()
 
 
 async def test_an_output_too_large_for_any_message_is_refused(ctx: Any, tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        app = App(client.url)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            await client.handshake(3, max_message_size=2000)
-            await app.connected.wait()
-            rid = "big-" + "i" * 1000
-            small = Output("small", "s")
-            with pytest.raises(ProtocolError, match="does not fit in one message") as info:
-                await app.engine.send(OutputBatch(0, outputs=(small, Output(rid, "x" * 3000))))
-            assert info.value.request_id == rid and info.value.rank == 0
-            assert "2000" in str(info.value) and len(str(info.value)) < 600  # quoted, cut
-            with pytest.raises(ProtocolError, match="reply to call 5"):
-                await app.engine.send(OutputBatch(0, replies=(Reply(5, result="y" * 3000),)))
-            # nothing was queued and no seq consumed
-            await app.engine.send(OutputBatch(0, outputs=(small,)))
-            batch = await client.batch()
-            assert (batch.seq, batch.outputs) == (0, (small,))
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    app = App(client.url)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        await client.handshake(3, max_message_size=2000)
+        await app.connected.wait()
+        rid = "big-" + "i" * 1000
+        small = Output("small", "s")
+        with pytest.raises(ProtocolError, match="does not fit in one message") as info:
+            await app.engine.send(OutputBatch(0, outputs=(small, Output(rid, "x" * 3000))))
+        assert info.value.request_id == rid and info.value.rank == 0
+        assert "2000" in str(info.value) and len(str(info.value)) < 600  # quoted, cut
+        with pytest.raises(ProtocolError, match="reply to call 5"):
+            await app.engine.send(OutputBatch(0, replies=(Reply(5, result="y" * 3000),)))
+        # nothing was queued and no seq consumed
+        await app.engine.send(OutputBatch(0, outputs=(small,)))
+        batch = await client.batch()
+        assert (batch.seq, batch.outputs) == (0, (small,))
+        nursery.cancel_scope.cancel()
 
 
 ENTRY = st.tuples(st.sampled_from(["outputs", "finished", "replies"]), st.integers(0, 400))
@@ -494,20 +471,19 @@ def test_split_keeps_every_entry_in_order_under_the_limit(
 
 
 async def test_for_testing_send_raw_sends_frames_verbatim(ctx: Any, tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        app = App(client.url)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(app.run)
-            await client.handshake(1)
-            await app.connected.wait()
-            await app.engine._for_testing_send_raw([b"\xff not cbor"])
-            await app.engine._for_testing_send_raw([b"a", b"", b"c"])
-            await app.engine.send(OutputBatch(0))  # in order with send(), seq untouched
-            assert await client.message() == [b"\xff not cbor"]
-            assert await client.message() == [b"a", b"", b"c"]
-            assert (await client.batch()).seq == 0
-            nursery.cancel_scope.cancel()
+    client = FakeClient(ctx, tmp_path)
+    app = App(client.url)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app.run)
+        await client.handshake(1)
+        await app.connected.wait()
+        await app.engine._for_testing_send_raw([b"\xff not cbor"])
+        await app.engine._for_testing_send_raw([b"a", b"", b"c"])
+        await app.engine.send(OutputBatch(0))  # in order with send(), seq untouched
+        assert await client.message() == [b"\xff not cbor"]
+        assert await client.message() == [b"a", b"", b"c"]
+        assert (await client.batch()).seq == 0
+        nursery.cancel_scope.cancel()
 
 
 # -- the mock --------------------------------------------------------------------------
@@ -516,36 +492,35 @@ async def test_for_testing_send_raw_sends_frames_verbatim(ctx: Any, tmp_path: Pa
 async def test_a_mock_rank_comes_back_serving_after_resync(ctx: Any, tmp_path: Path) -> None:
     """A rank that sent garbage and announced `dead` is RESYNCed (as an independent
     client does) and serves the next incarnation; its one-shot faults do not repeat."""
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
-        faults = {0: RankFaults(dead_after=2, garbage=1)}
-        cfg = MockConfig(engines=1, step_time=0.001, faults=faults)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_mock_group, client.url, cfg)
-            await client.handshake(1)
-            await client.request(Add("a", {"prompt": [1], "max_tokens": 5}))
-            assert await client.message() == [b"\xff not cbor"]  # through the raw hook
+    client = FakeClient(ctx, tmp_path)
+    faults = {0: RankFaults(dead_after=2, garbage=1)}
+    cfg = MockConfig(engines=1, step_time=0.001, faults=faults)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_mock_group, client.url, cfg)
+        await client.handshake(1)
+        await client.request(Add("a", {"prompt": [1], "max_tokens": 5}))
+        assert await client.message() == [b"\xff not cbor"]  # through the raw hook
+        batch = await client.batch()
+        while batch.dead is None:
             batch = await client.batch()
-            while batch.dead is None:
-                batch = await client.batch()
-            assert batch.epoch == 1
-            await client.resync()
-            await client.hello()
-            await client.init(2)
-            await client.ready()
-            assert await client.register() == Register(epoch=2)
-            await client.request(Add("b", {"prompt": [1], "max_tokens": 3}))
-            outputs: list[Output] = []
-            while not outputs or outputs[-1].finish is None:
-                batch = await client.batch()
-                assert batch.epoch == 2 and batch.dead is None
-                outputs += batch.outputs
-            assert [(o.request_id, o.finish) for o in outputs] == [
-                ("b", None),
-                ("b", None),
-                ("b", "length"),
-            ]
-            nursery.cancel_scope.cancel()
+        assert batch.epoch == 1
+        await client.resync()
+        await client.hello()
+        await client.init(2)
+        await client.ready()
+        assert await client.register() == Register(epoch=2)
+        await client.request(Add("b", {"prompt": [1], "max_tokens": 3}))
+        outputs: list[Output] = []
+        while not outputs or outputs[-1].finish is None:
+            batch = await client.batch()
+            assert batch.epoch == 2 and batch.dead is None
+            outputs += batch.outputs
+        assert [(o.request_id, o.finish) for o in outputs] == [
+            ("b", None),
+            ("b", None),
+            ("b", "length"),
+        ]
+        nursery.cancel_scope.cancel()
 
 
 # -- the first handshake's errors come out of connect_engine ---------------------------
@@ -564,22 +539,21 @@ async def test_a_mock_rank_comes_back_serving_after_resync(ctx: Any, tmp_path: P
 async def test_first_handshake_errors_are_raised_by_connect_engine(
     ctx: Any, tmp_path: Path, answer: Any, error: type[Exception], match: str
 ) -> None:
-    with trio.fail_after(TIMEOUT):
-        client = FakeClient(ctx, tmp_path)
+    client = FakeClient(ctx, tmp_path)
 
-        async def answer_hello() -> None:
-            await client.hello()
-            await client.hs.send([client.identity, encode_handshake(answer)])
+    async def answer_hello() -> None:
+        await client.hello()
+        await client.hs.send([client.identity, encode_handshake(answer)])
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(answer_hello)
-            with pytest.raises(error, match=match):
-                async with connect_engine(client.url, rank=0, size=1):
-                    pytest.fail("connect_engine yielded")  # pragma: no cover
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer_hello)
+        with pytest.raises(error, match=match):
+            async with connect_engine(client.url, rank=0, size=1):
+                pytest.fail("connect_engine yielded")  # pragma: no cover
 
 
 async def test_no_init_is_a_handshake_timeout(tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT), pytest.raises(HandshakeTimeout, match="no INIT"):
+    with pytest.raises(HandshakeTimeout, match="no INIT"):
         async with connect_engine(
             f"ipc://{tmp_path}/nobody", rank=0, size=1, handshake_timeout=0.2
         ):

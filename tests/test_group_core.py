@@ -11,9 +11,10 @@ import pytest
 
 from zmqdp._core.codec import decode_request
 from zmqdp._core.errors import GroupClosed, InvalidRequest
-from zmqdp._core.state import GroupCore
-from zmqdp._core.handshake import rank_identity
+from zmqdp._core.handshake import MAX_REJECTIONS_KEPT, HandshakeState, rank_identity
+from zmqdp._core.messages import Hello
 from zmqdp._core.requests import Outcome
+from zmqdp._core.state import GroupCore
 
 EPOCH = [10, 20]
 
@@ -308,3 +309,12 @@ def test_one_wake_after_a_run_of_adds_in_a_lockstep_group_only() -> None:
         c.submit("b", None, object(), 1, now=0)
     assert lock.after_flush() == 0 and lock.after_flush() is None
     assert free.after_flush() is None
+
+
+def test_the_handshake_keeps_only_the_latest_rejections() -> None:
+    """A peer can send any number of bad HELLOs; memory must not grow with them."""
+    state = HandshakeState(1, "in", "out")
+    for i in range(1000):
+        state.on_hello(rank_identity(7), Hello(rank=7, size=1, lockstep=False, wave=i))
+    assert state.rejections == 1000
+    assert len(state.rejected) == MAX_REJECTIONS_KEPT and "rank 7" in state.rejected[-1]

@@ -1,52 +1,26 @@
 """End to end over ipc, with `python -m zmqdp mock` in a subprocess.
 
-Lockstep groups must never hang (PROTOCOL.md §5), each injected fault must produce the
-error the client promises and lose nothing, and least-loaded selection must shun a slow
-rank. Every test has an absolute `trio.fail_after`.
+Lockstep groups must never hang (docs/protocol.md §5), each injected fault must produce
+the error the client promises and lose nothing, and least-loaded selection must shun a
+slow rank. Every test runs under the absolute time limit of conftest.py (raised with
+`timeout_s` for these longer runs).
 """
 
 from __future__ import annotations
 
-import subprocess
+import re
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-from zmqdp import (
-    EngineDead,
-    EngineGroup,
-    GroupClosed,
-    HandshakeTimeout,
-    Output,
-    Request,
-    ZmqdpError,
-)
+from zmqdp import EngineDead, EngineGroup, GroupClosed, HandshakeTimeout, Request
+from zmqdp.mock import mock_process
 
-
-@asynccontextmanager
-async def mock(url: str, engines: int, *args: str) -> AsyncIterator[None]:
-    cmd = [sys.executable, "-m", "zmqdp", "mock", "--url", url, "--engines", str(engines)]
-    proc = await trio.lowlevel.open_process([*cmd, *args], stdout=subprocess.DEVNULL)
-    try:
-        yield
-    finally:
-        proc.terminate()
-        with trio.move_on_after(10):
-            await proc.wait()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
-async def collect(group: EngineGroup, request: Request) -> list[Output]:
-    async with group.submit(request) as stream:
-        return [out async for out in stream]
+from .helpers import collect
 
 
 def body(tokens: int) -> dict[str, Any]:
@@ -60,6 +34,7 @@ LOCKSTEP = [
 ]
 
 
+@pytest.mark.timeout_s(90)
 @pytest.mark.parametrize(("n", "self_wake"), LOCKSTEP)
 async def test_lockstep_submit_finish_park_repeats_without_a_hang(
     tmp_path: Path, n: int, self_wake: bool
@@ -67,15 +42,14 @@ async def test_lockstep_submit_finish_park_repeats_without_a_hang(
     url = f"ipc://{tmp_path}/g"
     args = ["--lockstep", "--step-time", "0.001", "--sync-interval", "2", "--no-wave-agreement"]
     args += ["--self-wake"] if self_wake else []
-    with trio.fail_after(90):
-        async with mock(url, n, *args), EngineGroup.connect(url, n) as group:
-            for i in range(50):
-                parked_at = group.wave.value
-                outs = await collect(group, Request(f"r{i}", body(1 + i % 3), rank=i % n))
-                assert outs[-1].finish == "length"
-                await group.wave.wait_value(lambda w, p=parked_at: w > p)  # the group parked
-            stats = group.statistics()
-            assert stats.finished == 50 and stats.failed == 0 and stats.stall_wakes == 0
+    async with mock_process(url, n, *args), EngineGroup.connect(url, n) as group:
+        for i in range(50):
+            parked_at = group.wave.value
+            outs = await collect(group, Request(f"r{i}", body(1 + i % 3), rank=i % n))
+            assert outs[-1].finish == "length"
+            await group.wave.wait_value(lambda w, p=parked_at: w > p)  # the group parked
+        stats = group.statistics()
+        assert stats.finished == 50 and stats.failed == 0 and stats.stall_wakes == 0
 
 
 # rank r handles each inbound message r * SKEW s late: WAKEs and ADDs reach the ranks at
@@ -95,6 +69,7 @@ async def bursts(group: EngineGroup, n: int, rounds: int) -> int:
     return done
 
 
+@pytest.mark.timeout_s(90)
 @pytest.mark.parametrize(("n", "self_wake"), LOCKSTEP)
 async def test_lockstep_bursts_while_the_group_parks(
     tmp_path: Path, n: int, self_wake: bool
@@ -102,166 +77,180 @@ async def test_lockstep_bursts_while_the_group_parks(
     url = f"ipc://{tmp_path}/g"
     args = ["--lockstep", "--step-time", "0.001", "--sync-interval", "1", "--no-wave-agreement"]
     args += ["--skew", SKEW, *(["--self-wake"] if self_wake else [])]
-    with trio.fail_after(90):
-        async with mock(url, n, *args), EngineGroup.connect(url, n) as group:
-            done = await bursts(group, n, 30)
-            stats = group.statistics()
-            assert stats.finished == done and stats.failed == 0
-            assert all(r.inflight == 0 for r in stats.ranks)
+    async with mock_process(url, n, *args), EngineGroup.connect(url, n) as group:
+        done = await bursts(group, n, 30)
+        stats = group.statistics()
+        assert stats.finished == done and stats.failed == 0
+        assert all(r.inflight == 0 for r in stats.ranks)
 
 
 FAULTS = {
-    "dead": (["--fault", "1:dead=5"], {}),
-    "silent": (["--fault", "1:silent=5"], {"silence_timeout": 1.0}),
-    "garbage": (["--fault", "1:garbage=3"], {}),
-    "rejoin": (["--fault", "1:rejoin=5"], {}),
+    # the mock's fault, EngineGroup.connect's options, what rank 1's `EngineDead` says
+    "dead": (["--fault", "1:dead=5"], {}, "injected fault: dead_after"),
+    "silent": (["--fault", "1:silent=5"], {"silence_timeout": 1.0}, "silent for"),
+    "garbage": (["--fault", "1:garbage=3"], {}, "connection error"),
+    "rejoin": (["--fault", "1:rejoin=5"], {}, r"said HELLO again \(rejoin\)"),
 }
+TOKENS = 10
+"""Tokens per request: more than rank 1 emits before any of its faults (5 outputs, or
+none before its garbage), so no request of rank 1 can complete before the fault."""
 
 
+@pytest.mark.timeout_s(60)
 @pytest.mark.parametrize("fault", FAULTS)
 async def test_each_fault_fails_only_its_rank_and_loses_nothing(tmp_path: Path, fault: str) -> None:
+    """20 requests, alternately pinned to ranks 0 and 1, all submitted before rank 1 can
+    fail: each of rank 1's is live when its fault strikes and ends with `EngineDead`
+    naming it and the fault, each of rank 0's completes, and rank 0 goes on serving."""
     url = f"ipc://{tmp_path}/g"
-    args, options = FAULTS[fault]
+    args, options, cause = FAULTS[fault]
     outcomes: dict[str, str] = {}
-    with trio.fail_after(60):
-        async with (
-            mock(url, 2, "--step-time", "0.005", *args),
-            EngineGroup.connect(url, 2, **options) as group,
-        ):
+    async with (
+        mock_process(url, 2, "--step-time", "0.005", *args),
+        EngineGroup.connect(url, 2, **options) as group,
+    ):
 
-            async def one(i: int) -> None:
-                rid = f"r{i}"
-                try:
-                    outs = await collect(group, Request(rid, body(4), rank=i % 2))
-                    outcomes[rid] = "ok" if outs[-1].finish == "length" else "bad"
-                except EngineDead as exc:
-                    assert exc.rank == 1 and exc.request_id == rid, exc
-                    outcomes[rid] = f"dead: {exc.cause}"
-                except ZmqdpError as exc:  # pinned to rank 1 while it is down
-                    outcomes[rid] = f"{type(exc).__name__}"
+        async def one(i: int) -> None:
+            rid = f"r{i}"
+            try:
+                outs = await collect(group, Request(rid, body(TOKENS), rank=i % 2))
+                outcomes[rid] = "ok" if outs[-1].finish == "length" else "bad"
+            except EngineDead as exc:
+                assert exc.rank == 1 and exc.request_id == rid, exc
+                outcomes[rid] = f"dead: {exc.cause}"
 
-            async with trio.open_nursery() as nursery:
-                for i in range(20):
-                    nursery.start_soon(one, i)
-            # rank 0 kept serving throughout, and still does
-            assert (await collect(group, Request("after", body(2), rank=0)))[-1].finish
-            stats = group.statistics()
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(one, i)
+        # rank 0 kept serving throughout, and still does
+        assert (await collect(group, Request("after", body(2), rank=0)))[-1].finish
+        stats = group.statistics()
     assert len(outcomes) == 20  # every request ended exactly once, with a result
     assert all(outcomes[f"r{i}"] == "ok" for i in range(0, 20, 2))  # rank 0's
     rank1 = Counter(outcomes[f"r{i}"].split(":")[0] for i in range(1, 20, 2))
-    assert rank1["dead"] >= 1, outcomes
-    assert set(rank1) <= {"ok", "dead", "InvalidRank"}, outcomes
+    assert rank1 == {"dead": 10}, outcomes
+    for i in range(1, 20, 2):
+        assert re.search(cause, outcomes[f"r{i}"]), outcomes[f"r{i}"]
     assert stats.submitted == stats.finished + stats.failed + stats.aborted + stats.truncated
     assert all(r.inflight == 0 for r in stats.ranks)
 
 
+@pytest.mark.timeout_s(60)
 async def test_lockstep_fault_fails_the_whole_group(tmp_path: Path) -> None:
+    """Rank 1 of a lockstep mock group announces `dead` after 3 outputs: its requests
+    end with `EngineDead`, rank 0's with `GroupClosed` naming rank 1, and the group
+    refuses new requests. (Each request asks for 10 tokens and the ranks step together,
+    so none can complete before rank 1 dies.)"""
     url = f"ipc://{tmp_path}/g"
-    with trio.fail_after(60):
-        async with (
-            mock(url, 2, "--lockstep", "--step-time", "0.005", "--fault", "1:dead=3"),
-            EngineGroup.connect(url, 2) as group,
-        ):
-            errors: list[BaseException] = []
+    ended: list[int] = []
+    async with (
+        mock_process(url, 2, "--lockstep", "--step-time", "0.005", "--fault", "1:dead=3"),
+        EngineGroup.connect(url, 2) as group,
+    ):
 
-            async def one(i: int) -> None:
-                try:
-                    await collect(group, Request(f"r{i}", body(10), rank=i % 2))
-                except (EngineDead, GroupClosed) as exc:
-                    errors.append(exc)
+        async def one(i: int) -> None:
+            request = Request(f"r{i}", body(10), rank=i % 2)
+            if i % 2:
+                with pytest.raises(EngineDead, match=rf"rank 1, request 'r{i}'.*dead_after"):
+                    await collect(group, request)
+            else:
+                with pytest.raises(
+                    GroupClosed, match=rf"request 'r{i}'.*lockstep group failed.*rank 1"
+                ):
+                    await collect(group, request)
+            ended.append(i)
 
-            async with trio.open_nursery() as nursery:
-                for i in range(6):
-                    nursery.start_soon(one, i)
-            assert len(errors) == 6
-            assert any(isinstance(e, EngineDead) and e.rank == 1 for e in errors)
-            with pytest.raises(GroupClosed, match="lockstep group failed"):
-                group.submit(Request("late", body(1)))
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(one, i)
+        assert sorted(ended) == list(range(6))
+        with pytest.raises(GroupClosed, match="lockstep group failed"):
+            group.submit(Request("late", body(1)))
 
 
+@pytest.mark.timeout_s(60)
 async def test_bad_hello_is_rejected_and_named_by_the_timeout(tmp_path: Path) -> None:
     url = f"ipc://{tmp_path}/g"
-    with trio.fail_after(60):
-        async with mock(url, 2, "--fault", "1:bad_hello=size"):
-            with pytest.raises(HandshakeTimeout) as info:
-                async with EngineGroup.connect(url, 2, ready_timeout=3):
-                    pass  # pragma: no cover
+    async with mock_process(url, 2, "--fault", "1:bad_hello=size"):
+        with pytest.raises(HandshakeTimeout) as info:
+            async with EngineGroup.connect(url, 2, ready_timeout=3):
+                pass  # pragma: no cover
     assert info.value.missing == {1: "no HELLO yet"}
     assert any("size 3, the client expects 2" in r for r in info.value.rejected)
 
 
+@pytest.mark.timeout_s(90)
 async def test_least_loaded_sends_fewer_requests_to_a_slow_rank(tmp_path: Path) -> None:
     url = f"ipc://{tmp_path}/g"
-    with trio.fail_after(90):
-        async with (
-            mock(url, 2, "--step-time", "0.004", "--fault", "1:slow=3"),
-            EngineGroup.connect(url, 2) as group,
-        ):
-            limiter = trio.CapacityLimiter(12)
-            ranks: Counter[int] = Counter()
+    async with (
+        mock_process(url, 2, "--step-time", "0.004", "--fault", "1:slow=3"),
+        EngineGroup.connect(url, 2) as group,
+    ):
+        limiter = trio.CapacityLimiter(12)
+        ranks: Counter[int] = Counter()
 
-            async def one(i: int) -> None:
-                async with limiter:
-                    stream = group.submit(Request(f"r{i}", body(12)))
-                    ranks[stream.rank] += 1
-                    async with stream:
-                        async for _ in stream:
-                            pass
+        async def one(i: int) -> None:
+            async with limiter:
+                stream = group.submit(Request(f"r{i}", body(12)))
+                ranks[stream.rank] += 1
+                async with stream:
+                    async for _ in stream:
+                        pass
 
-            async with trio.open_nursery() as nursery:
-                for i in range(120):
-                    nursery.start_soon(one, i)
+        async with trio.open_nursery() as nursery:
+            for i in range(120):
+                nursery.start_soon(one, i)
     assert ranks[0] + ranks[1] == 120
     assert ranks[1] < 0.4 * 120, ranks  # an even split would be 60
 
 
+@pytest.mark.timeout_s(120)
 async def test_the_demo_command_runs(tmp_path: Path) -> None:
-    with trio.fail_after(120):
-        result = await trio.run_process(
-            [
-                sys.executable,
-                "-m",
-                "zmqdp",
-                "demo",
-                "--requests",
-                "24",
-                "--no-progress",
-                "--step-time",
-                "0.005",
-            ],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-        )
+    result = await trio.run_process(
+        [
+            sys.executable,
+            "-m",
+            "zmqdp",
+            "demo",
+            "--requests",
+            "24",
+            "--no-progress",
+            "--step-time",
+            "0.005",
+        ],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
     out = result.stdout.decode()
     assert result.returncode == 0, out + result.stderr.decode()
     assert "24 completed, 0 failed" in out and "OK: every request completed" in out
     assert "tokens/s" in out and "TTFT p50 / p99" in out
 
 
+@pytest.mark.timeout_s(120)
 async def test_the_demo_exits_nonzero_when_a_fault_is_not_what_it_predicts(
     tmp_path: Path,
 ) -> None:
     """With a fault that the workload never reaches, the prediction fails: exit 1."""
-    with trio.fail_after(120):
-        result = await trio.run_process(
-            [
-                sys.executable,
-                "-m",
-                "zmqdp",
-                "demo",
-                "--requests",
-                "4",
-                "--no-progress",
-                "--step-time",
-                "0.005",
-                "--fault",
-                "dead",
-                "--fault-after",
-                "100000",
-            ],
-            capture_stdout=True,
-            check=False,
-        )
+    result = await trio.run_process(
+        [
+            sys.executable,
+            "-m",
+            "zmqdp",
+            "demo",
+            "--requests",
+            "4",
+            "--no-progress",
+            "--step-time",
+            "0.005",
+            "--fault",
+            "dead",
+            "--fault-after",
+            "100000",
+        ],
+        capture_stdout=True,
+        check=False,
+    )
     assert result.returncode == 1
     assert "FAILED: the injected fault (dead) caused no failure" in result.stdout.decode()

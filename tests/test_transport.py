@@ -1,5 +1,6 @@
 """The trio adapter for pyzmq, the grouped handshake and the engine-side API, over real
-ipc and tcp loopback sockets. Every test has an absolute `trio.fail_after`."""
+ipc and tcp loopback sockets. Every test runs under the absolute time limit of
+conftest.py."""
 
 from __future__ import annotations
 
@@ -14,24 +15,18 @@ from typing import Any
 import cbor2
 import pytest
 import trio
+import trio.testing
 import zmq
 
 from zmqdp import HandshakeRejected, HandshakeTimeout
 from zmqdp._core.codec import decode_batch, decode_handshake, encode_request
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Add, Init, Output, OutputBatch, Reject, Resync
-from zmqdp._transport import GroupTransport, open_group_transport
+from zmqdp._transport import GroupTransport, TransportListener, open_group_transport
 from zmqdp._zmq import POLLIN, ZSocket
 from zmqdp.engine import connect_engine
 
-TIMEOUT = 20
-
-
-@pytest.fixture
-def ctx() -> Any:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)  # closes whatever a failed test left open
+from .helpers import READY_TIMEOUT, client_in_background, raw
 
 
 @pytest.fixture
@@ -46,120 +41,110 @@ def free_tcp_url() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def raw(ctx: Any, kind: int, identity: bytes | None = None) -> ZSocket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    if identity is not None:
-        sock.setsockopt(zmq.ROUTING_ID, identity)
-    return ZSocket(sock, safety_timeout=30)
-
-
 # -- the adapter ----------------------------------------------------------------------
 
 
 async def test_burst_of_5000_is_drained_after_a_single_wakeup(ctx: Any) -> None:
-    with trio.fail_after(TIMEOUT):
-        rx = raw(ctx, zmq.PULL)
-        rx.sock.bind("inproc://burst")
-        tx = ctx.socket(zmq.PUSH)
-        tx.setsockopt(zmq.SNDHWM, 0)
-        tx.connect("inproc://burst")
-        for i in range(5000):
-            tx.send(i.to_bytes(4, "little"), zmq.NOBLOCK)
-        got: list[bytes] = []
-        while len(got) < 5000:
-            got += [m[0] for m in await rx.receive_batch(limit=256)]
-        stats = rx.statistics()
-        assert [int.from_bytes(m, "little") for m in got] == list(range(5000))
-        assert stats.waits <= 1 and stats.fallbacks == 0
-        assert stats.batches == -(-5000 // 256)  # one checkpoint per batch, not per message
-        tx.close()
-        rx.close()
+    rx = raw(ctx, zmq.PULL)
+    rx.sock.bind("inproc://burst")
+    tx = ctx.socket(zmq.PUSH)
+    tx.setsockopt(zmq.SNDHWM, 0)
+    tx.connect("inproc://burst")
+    for i in range(5000):
+        tx.send(i.to_bytes(4, "little"), zmq.NOBLOCK)
+    got: list[bytes] = []
+    while len(got) < 5000:
+        got += [m[0] for m in await rx.receive_batch(limit=256)]
+    stats = rx.statistics()
+    assert [int.from_bytes(m, "little") for m in got] == list(range(5000))
+    assert stats.waits <= 1 and stats.fallbacks == 0
+    assert stats.batches == -(-5000 // 256)  # one checkpoint per batch, not per message
+    tx.close()
+    rx.close()
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
-async def test_missed_wakeup_regression(ctx: Any, tmp_path: Path, transport: str) -> None:
-    """trio_zmq.md §A.3 #1: reading EVENTS consumes the fd's edge while a message stays
-    queued. A loop that waits on the fd without checking EVENTS first hangs."""
-    with trio.fail_after(TIMEOUT):
-        address = f"ipc://{tmp_path}/mw" if transport == "ipc" else "tcp://127.0.0.1:*"
-        router = raw(ctx, zmq.ROUTER)
-        router.sock.bind(address)
-        endpoint = router.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        dealer = raw(ctx, zmq.DEALER, b"\x01\x00")
-        dealer.sock.connect(endpoint)
-        assert router.receive_nowait() == []  # nothing queued yet
-        await dealer.send([b"ping"])
-        # Spin on EVENTS (each read may consume the edge) until the message is queued.
-        while not router._getsockopt(zmq.EVENTS) & POLLIN:
-            await trio.lowlevel.checkpoint()
-        with trio.move_on_after(0.2) as naive:
-            await trio.lowlevel.wait_readable(router.fd)  # the naive wait: edge is gone
-        assert naive.cancelled_caught, "the fd was readable; the hazard did not occur"
-        assert await router.receive_batch() == [[b"\x01\x00", b"ping"]]
-        assert router.statistics().fallbacks == 0
-        router.close()
-        dealer.close()
+async def test_a_message_whose_fd_edge_was_consumed_is_still_received(
+    ctx: Any, tmp_path: Path, transport: str
+) -> None:
+    """The missed-wakeup regression (docs/design.md, "The ZeroMQ fd rules"): reading
+    EVENTS consumes the fd's edge while a message stays queued. A loop that waits on
+    the fd without checking EVENTS first hangs."""
+    address = f"ipc://{tmp_path}/mw" if transport == "ipc" else "tcp://127.0.0.1:*"
+    router = raw(ctx, zmq.ROUTER)
+    router.sock.bind(address)
+    endpoint = router.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    dealer = raw(ctx, zmq.DEALER, b"\x01\x00")
+    dealer.sock.connect(endpoint)
+    assert router.receive_nowait() == []  # nothing queued yet
+    await dealer.send([b"ping"])
+    # Spin on EVENTS (each read may consume the edge) until the message is queued.
+    while not router._getsockopt(zmq.EVENTS) & POLLIN:
+        await trio.lowlevel.checkpoint()
+    with trio.move_on_after(0.2) as naive:
+        await trio.lowlevel.wait_readable(router.fd)  # the naive wait: edge is gone
+    assert naive.cancelled_caught, "the fd was readable; the hazard did not occur"
+    assert await router.receive_batch() == [[b"\x01\x00", b"ping"]]
+    assert router.statistics().fallbacks == 0
+    router.close()
+    dealer.close()
 
 
 async def test_cancelled_receive_loses_nothing(ctx: Any) -> None:
-    with trio.fail_after(TIMEOUT):
-        rx = raw(ctx, zmq.PULL)
-        rx.sock.bind("inproc://cancel")
-        tx = ctx.socket(zmq.PUSH)
-        tx.connect("inproc://cancel")
-        with trio.CancelScope() as scope:
-            scope.cancel()
-            await rx.receive_batch()  # cancelled before touching the socket
-        tx.send(b"one", zmq.NOBLOCK)
-        with trio.CancelScope() as scope:
-            scope.cancel()
-            await rx.receive_batch()
-        assert await rx.receive_batch() == [[b"one"]]
-        rx.release()  # hand it to a task that will be cancelled while parked
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(rx.receive_batch)
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.cancel_scope.cancel()
-        rx.release()  # the cancelled task owned it
-        tx.send(b"two", zmq.NOBLOCK)
-        assert await rx.receive_batch() == [[b"two"]]
-        tx.close()
-        rx.close()
+    rx = raw(ctx, zmq.PULL)
+    rx.sock.bind("inproc://cancel")
+    tx = ctx.socket(zmq.PUSH)
+    tx.connect("inproc://cancel")
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await rx.receive_batch()  # cancelled before touching the socket
+    tx.send(b"one", zmq.NOBLOCK)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await rx.receive_batch()
+    assert await rx.receive_batch() == [[b"one"]]
+    rx.release()  # hand it to a task that will be cancelled while parked
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rx.receive_batch)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    rx.release()  # the cancelled task owned it
+    tx.send(b"two", zmq.NOBLOCK)
+    assert await rx.receive_batch() == [[b"two"]]
+    tx.close()
+    rx.close()
 
 
 async def test_one_task_per_socket_is_enforced(ctx: Any) -> None:
-    with trio.fail_after(TIMEOUT):
-        rx = raw(ctx, zmq.PULL)
-        rx.sock.bind("inproc://owner")
-        rx.receive_nowait()
-        errors: list[BaseException] = []
+    rx = raw(ctx, zmq.PULL)
+    rx.sock.bind("inproc://owner")
+    rx.receive_nowait()
+    errors: list[BaseException] = []
 
-        async def intruder() -> None:
-            try:
-                rx.receive_nowait()
-            except trio.BusyResourceError as exc:
-                errors.append(exc)
+    async def intruder() -> None:
+        try:
+            rx.receive_nowait()
+        except trio.BusyResourceError as exc:
+            errors.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(intruder)
-        assert len(errors) == 1 and "owned by task" in str(errors[0])
-        rx.close()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(intruder)
+    assert len(errors) == 1 and "owned by task" in str(errors[0])
+    rx.close()
 
 
 async def test_closing_with_queued_messages_returns_promptly(ctx: Any, tmp_path: Path) -> None:
-    with trio.fail_after(TIMEOUT):
-        context = zmq.Context()
-        tx = ZSocket(context.socket(zmq.DEALER))
-        tx.sock.setsockopt(zmq.SNDHWM, 100_000)
-        tx.sock.connect(f"ipc://{tmp_path}/nobody-listens")
-        for _ in range(5000):
-            assert tx.send_nowait([b"x" * 100])
-        start = trio.current_time()
-        tx.close()
-        # context.term() hangs on unsent messages unless LINGER is 0
-        await trio.to_thread.run_sync(context.term, abandon_on_cancel=True)
-        assert trio.current_time() - start < 1.0
+    context = zmq.Context()
+    tx = ZSocket(context.socket(zmq.DEALER))
+    tx.sock.setsockopt(zmq.SNDHWM, 100_000)
+    tx.sock.connect(f"ipc://{tmp_path}/nobody-listens")
+    for _ in range(5000):
+        assert tx.send_nowait([b"x" * 100])
+    start = trio.current_time()
+    tx.close()
+    # context.term() hangs on unsent messages unless LINGER is 0
+    await trio.to_thread.run_sync(context.term, abandon_on_cancel=True)
+    assert trio.current_time() - start < 1.0
 
 
 # -- handshake ------------------------------------------------------------------------
@@ -199,30 +184,27 @@ async def test_handshake_in_random_start_order(n: int, kind: str, ipc_url: str) 
     order = list(range(n))
     rng.shuffle(order)
     early = order[: rng.randint(0, n)]  # these start before the client binds
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            for rank in early:
-                nursery.start_soon(run_engine, url, rank, n)
-            await trio.testing.wait_all_tasks_blocked()
+    async with trio.open_nursery() as nursery:
+        for rank in early:
+            nursery.start_soon(run_engine, url, rank, n)
+        await trio.testing.wait_all_tasks_blocked()
 
-            async def late() -> None:
-                for rank in order:
-                    if rank not in early:
-                        nursery.start_soon(run_engine, url, rank, n)
-                        await trio.lowlevel.checkpoint()
+        async def late() -> None:
+            for rank in order:
+                if rank not in early:
+                    nursery.start_soon(run_engine, url, rank, n)
+                    await trio.lowlevel.checkpoint()
 
-            nursery.start_soon(late)
-            async with open_group_transport(url, n, ready_timeout=TIMEOUT) as transport:
-                assert transport.state.ready()
-                assert transport.state.lockstep is False
-                assert [transport.state.info(r) for r in range(n)] == [
-                    {"rank": r} for r in range(n)
-                ]
-                await round_trip(transport)
-                stats = transport.statistics()
-                assert stats.handshake.fallbacks == stats.input.fallbacks == 0
-                assert stats.output.fallbacks == 0
-            nursery.cancel_scope.cancel()
+        nursery.start_soon(late)
+        async with open_group_transport(url, n, ready_timeout=READY_TIMEOUT) as transport:
+            assert transport.state.ready()
+            assert transport.state.lockstep is False
+            assert [transport.state.info(r) for r in range(n)] == [{"rank": r} for r in range(n)]
+            await round_trip(transport)
+            stats = transport.statistics()
+            assert stats.handshake.fallbacks == stats.input.fallbacks == 0
+            assert stats.output.fallbacks == 0
+        nursery.cancel_scope.cancel()
 
 
 async def raw_hello(ctx: Any, url: str, identity: bytes, **fields: Any) -> Init | Reject:
@@ -248,73 +230,43 @@ BAD_HELLOS: dict[str, tuple[bytes, dict[str, Any], str]] = {
 }
 
 
-async def client_in_background(
-    nursery: trio.Nursery, url: str, n: int, ready_timeout: float = TIMEOUT
-) -> tuple[trio.Event, dict[str, Any]]:
-    """Run open_group_transport in a task; the event is set once the group is ready."""
-    ready = trio.Event()
-    box: dict[str, Any] = {}
-
-    async def client() -> None:
-        try:
-            async with open_group_transport(url, n, ready_timeout=ready_timeout) as transport:
-                box["transport"] = transport
-                ready.set()
-                await trio.sleep_forever()
-        except Exception as exc:
-            box["error"] = exc
-            ready.set()
-
-    nursery.start_soon(client)
-    return ready, box
-
-
 @pytest.mark.parametrize("case", BAD_HELLOS.values(), ids=BAD_HELLOS.keys())
 async def test_bad_hellos_are_rejected_and_the_group_still_forms(
     ctx: Any, ipc_url: str, case: tuple[bytes, dict[str, Any], str]
 ) -> None:
     identity, fields, reason = case
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            ready, box = await client_in_background(nursery, ipc_url, 2)
-            started = trio.Event()
-            nursery.start_soon(partial(run_engine, ipc_url, 0, 2, started=started))
-            await started.wait()
-            reply = await raw_hello(ctx, ipc_url, identity, **fields)
-            assert isinstance(reply, Reject) and reason in reply.reason, reply
-            assert not ready.is_set()
-            nursery.start_soon(run_engine, ipc_url, 1, 2)
-            await ready.wait()
-            transport = box["transport"]
-            assert transport.state.ready() and list(transport.state.rejected) == [reply.reason]
-            await round_trip(transport)
-            nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery, client_in_background(ipc_url, 2) as box:
+        started = trio.Event()
+        nursery.start_soon(partial(run_engine, ipc_url, 0, 2, started=started))
+        await started.wait()
+        reply = await raw_hello(ctx, ipc_url, identity, **fields)
+        assert isinstance(reply, Reject) and reason in reply.reason, reply
+        assert not box.ready.is_set()
+        nursery.start_soon(run_engine, ipc_url, 1, 2)
+        transport = await box.wait()
+        assert transport.state.ready() and list(transport.state.rejected) == [reply.reason]
+        await round_trip(transport)
+        nursery.cancel_scope.cancel()
 
 
 async def test_engine_sees_reject_with_the_clients_reason(ipc_url: str) -> None:
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            await client_in_background(nursery, ipc_url, 2)
-            with pytest.raises(HandshakeRejected, match="size 3, the client expects 2") as info:
-                await run_engine(ipc_url, 1, 3)
-            assert info.value.rank == 1
-            nursery.cancel_scope.cancel()
+    async with client_in_background(ipc_url, 2):
+        with pytest.raises(HandshakeRejected, match="size 3, the client expects 2") as info:
+            await run_engine(ipc_url, 1, 3)
+        assert info.value.rank == 1
 
 
 async def test_engine_restarting_mid_handshake_is_admitted_again(ctx: Any, ipc_url: str) -> None:
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            ready, box = await client_in_background(nursery, ipc_url, 2)
-            nursery.start_soon(run_engine, ipc_url, 0, 2)
-            # rank 1's first incarnation says HELLO, gets INIT, and dies before READY
-            reply = await raw_hello(ctx, ipc_url, rank_identity(1), rank=1)
-            assert isinstance(reply, Init)
-            nursery.start_soon(run_engine, ipc_url, 1, 2)
-            await ready.wait()
-            transport = box["transport"]
-            assert transport.state.rejoins == [0, 1]
-            await round_trip(transport)
-            nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery, client_in_background(ipc_url, 2) as box:
+        nursery.start_soon(run_engine, ipc_url, 0, 2)
+        # rank 1's first incarnation says HELLO, gets INIT, and dies before READY
+        reply = await raw_hello(ctx, ipc_url, rank_identity(1), rank=1)
+        assert isinstance(reply, Init)
+        nursery.start_soon(run_engine, ipc_url, 1, 2)
+        transport = await box.wait()
+        assert transport.state.rejoins == [0, 1]
+        await round_trip(transport)
+        nursery.cancel_scope.cancel()
 
 
 async def test_resync_makes_the_engine_handshake_again(ipc_url: str) -> None:
@@ -327,60 +279,63 @@ async def test_resync_makes_the_engine_handshake_again(ipc_url: str) -> None:
                 if isinstance(msg, Add):
                     await eng.send(OutputBatch(0, outputs=(Output(msg.id, 1, "stop"),)))
 
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine)
-            async with open_group_transport(ipc_url, 1) as transport:
-                first_epoch = transport.state.epoch(0)
-                transport.forget(0)  # as the client does for a rank it declared dead
-                assert not transport.state.ready()
-                while not transport.state.ready():
-                    await transport.ranks_changed.wait()
-                assert transport.state.epoch(0) == first_epoch + 1  # a new incarnation
-                transport.send(0, encode_request(Add("after", None)))
-                [[_, body]] = await transport.output.receive_batch()
-                batch = decode_batch(body)
-                assert batch.outputs[0].request_id == "after"
-                assert batch.seq == 0  # seq starts afresh with each HELLO
-                assert batch.epoch == transport.state.epoch(0)
-                assert transport.statistics().resyncs >= 1
-            nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine)
+        async with open_group_transport(ipc_url, 1) as transport:
+            first_epoch = transport.state.epoch(0)
+            transport.forget(0)  # as the client does for a rank it declared dead
+            assert not transport.state.ready()
+            while not transport.state.ready():
+                await transport.ranks_changed.wait()
+            assert transport.state.epoch(0) == first_epoch + 1  # a new incarnation
+            transport.send(0, encode_request(Add("after", None)))
+            [[_, body]] = await transport.output.receive_batch()
+            batch = decode_batch(body)
+            assert batch.outputs[0].request_id == "after"
+            assert batch.seq == 0  # seq starts afresh with each HELLO
+            assert batch.epoch == transport.state.epoch(0)
+            assert transport.statistics().resyncs >= 1
+        nursery.cancel_scope.cancel()
     assert isinstance(seen[0], Resync) and isinstance(seen[1], Add)
 
 
 async def test_missing_rank_is_named_by_the_timeout(ctx: Any, ipc_url: str) -> None:
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_engine, ipc_url, 0, 3)
-            ready, box = await client_in_background(nursery, ipc_url, 3, ready_timeout=2.0)
-            await raw_hello(ctx, ipc_url, rank_identity(7), rank=7, size=3)
-            await ready.wait()
-            nursery.cancel_scope.cancel()
-    err = box["error"]
-    assert isinstance(err, HandshakeTimeout)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_engine, ipc_url, 0, 3)
+        async with client_in_background(ipc_url, 3, ready_timeout=2.0) as box:
+            reply = await raw_hello(ctx, ipc_url, rank_identity(7), rank=7, size=3)
+            assert isinstance(reply, Reject), reply
+            with pytest.raises(HandshakeTimeout) as info:
+                await box.wait()
+        nursery.cancel_scope.cancel()
+    err = info.value
     assert err.missing == {1: "no HELLO yet", 2: "no HELLO yet"}
     assert "rank 1: no HELLO yet" in str(err) and "rank 2: no HELLO yet" in str(err)
     assert "rank 7 is out of range" in str(err)
 
 
+class SendFailures(TransportListener):
+    """Records the transport's `send_failed` reports."""
+
+    def __init__(self) -> None:
+        self.failed: list[tuple[int, str]] = []
+        self.reported = trio.Event()
+
+    def send_failed(self, rank: int, cause: str) -> None:
+        self.failed.append((rank, cause))
+        self.reported.set()
+
+
 async def test_send_to_an_unconnected_rank_is_a_clear_failure(ipc_url: str) -> None:
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_engine, ipc_url, 0, 1)
-            async with open_group_transport(ipc_url, 1) as transport:
-                failed: list[tuple[int, str]] = []
-                done = trio.Event()
-
-                def on_failure(rank: int, cause: str) -> None:
-                    failed.append((rank, cause))
-                    done.set()
-
-                transport.on_send_failure = on_failure
-                transport.send(3, [b"\x02", cbor2.dumps({"wave": 0})])
-                await done.wait()
-                assert failed == [(3, "not connected to the input socket (EHOSTUNREACH)")]
-                await round_trip(transport)  # the other ranks are unaffected
-            nursery.cancel_scope.cancel()
+    listener = SendFailures()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_engine, ipc_url, 0, 1)
+        async with open_group_transport(ipc_url, 1, listener=listener) as transport:
+            transport.send(3, [b"\x02", cbor2.dumps({"wave": 0})])
+            await listener.reported.wait()
+            assert listener.failed == [(3, "not connected to the input socket (EHOSTUNREACH)")]
+            await round_trip(transport)  # the other ranks are unaffected
+        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770])
@@ -388,7 +343,7 @@ async def test_insecure_ipc_directory_is_refused(tmp_path: Path, mode: int) -> N
     directory = tmp_path / "shared"
     directory.mkdir()
     directory.chmod(mode)
-    with trio.fail_after(TIMEOUT), pytest.raises(PermissionError, match="chmod go-w"):
+    with pytest.raises(PermissionError, match="chmod go-w"):
         async with open_group_transport(f"ipc://{directory}/g", 1, ready_timeout=1):
             pass  # pragma: no cover
 
@@ -396,25 +351,24 @@ async def test_insecure_ipc_directory_is_refused(tmp_path: Path, mode: int) -> N
 async def test_ipc_directory_is_created_private_and_stale_sockets_removed(tmp_path: Path) -> None:
     directory = tmp_path / "new" / "dir"
     url = f"ipc://{directory}/g"
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_engine, url, 0, 1)
-            async with open_group_transport(url, 1):
-                pass
-            nursery.cancel_scope.cancel()
-        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-        # the socket files are left behind (zmq does not always unlink them): rebinding
-        # removes them instead of failing with EADDRINUSE
-        stale = directory / "g"
-        if not stale.exists():
-            s = socket.socket(socket.AF_UNIX)
-            s.bind(str(stale))
-            s.close()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_engine, url, 0, 1)
-            async with open_group_transport(url, 1) as transport:
-                await round_trip(transport)
-            nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_engine, url, 0, 1)
+        async with open_group_transport(url, 1):
+            pass
+        nursery.cancel_scope.cancel()
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    # the socket files are left behind (zmq does not always unlink them): rebinding
+    # removes them instead of failing with EADDRINUSE
+    stale = directory / "g"
+    if not stale.exists():
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(stale))
+        s.close()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_engine, url, 0, 1)
+        async with open_group_transport(url, 1) as transport:
+            await round_trip(transport)
+        nursery.cancel_scope.cancel()
 
 
 def test_wildcard_tcp_host_needs_an_advertised_host() -> None:

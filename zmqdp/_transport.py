@@ -18,7 +18,7 @@ exactly one owning task:
 * The output ROUTER is handed to the caller (the dispatcher), which claims it.
 
 Send failures are not raised into the task that queued the message (it has moved on):
-`on_send_failure(rank, cause)` reports an unknown peer (EHOSTUNREACH under
+`listener.send_failed(rank, cause)` reports an unknown peer (EHOSTUNREACH under
 ROUTER_MANDATORY) at once, and a peer whose queue stayed full past `send_timeout`.
 Either makes the rank dead (§6); its queued messages are dropped.
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -53,7 +53,12 @@ from ._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from ._util import open_service_nursery
 from ._zmq import ZSocket, ZSocketStatistics, is_unreachable
 
-__all__ = ["DEFAULT_MAX_MESSAGE_SIZE", "GroupTransport", "open_group_transport"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_SIZE",
+    "GroupTransport",
+    "TransportListener",
+    "open_group_transport",
+]
 
 log = logging.getLogger("zmqdp")
 
@@ -61,8 +66,22 @@ CLOSE_LINGER = 0.5
 """Seconds libzmq may spend delivering the ABORTs queued at close (§9)."""
 
 
-def _noop(*_: object) -> None:
-    pass
+class TransportListener:
+    """What the transport reports, as it happens (a subclass overrides what it needs).
+    The calls are synchronous and come from the transport's own tasks."""
+
+    def rank_up(self, rank: int) -> None:
+        """`rank` completed a handshake (READY and REGISTER of its current epoch)."""
+
+    def rejoin(self, rank: int) -> None:
+        """`rank` said HELLO again (or sent an invalid HELLO): its previous incarnation
+        is dead."""
+
+    def send_failed(self, rank: int, cause: str) -> None:
+        """A send to `rank` failed or timed out; its queued messages were dropped."""
+
+    def flushed(self) -> None:
+        """The input task sent a run of messages."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +117,7 @@ class GroupTransport:
         safety_timeout: float = 1.0,
         resync_interval: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        listener: TransportListener | None = None,
     ) -> None:
         self.url = url
         self.size = size
@@ -130,10 +150,7 @@ class GroupTransport:
         self._resyncs = 0
         self._dropped_answers = 0
         self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
-        self.on_rank_up: Callable[[int], None] = _noop
-        self.on_rejoin: Callable[[int], None] = _noop
-        self.on_send_failure: Callable[[int, str], None] = _noop
-        self.on_flushed: Callable[[], None] = _noop  # after the input task sent a run
+        self.listener = listener or TransportListener()
         self._blocked_since: float | None = None
         self.nursery: trio.Nursery | None = None  # set by open_group_transport
 
@@ -159,7 +176,7 @@ class GroupTransport:
 
     def send(self, rank: int, frames: Sequence[bytes]) -> None:
         """Queue a message for `rank` on the input socket; never blocks. Failures come
-        back through `on_send_failure`."""
+        back through `listener.send_failed`."""
         self.input.enqueue([rank_identity(rank), *frames])
 
     # -- the owning tasks -------------------------------------------------------------
@@ -233,7 +250,7 @@ class GroupTransport:
                 verdict.rank,
                 self.state.rejoins[verdict.rank],
             )
-            self.on_rejoin(verdict.rank)
+            self.listener.rejoin(verdict.rank)
         elif isinstance(hello, Hello) and verdict.rank is not None and verdict.rank < self.size:
             log.info("rank %d: HELLO accepted", verdict.rank)
         if isinstance(verdict.reply, Reject):
@@ -265,7 +282,7 @@ class GroupTransport:
         rank = identity_rank(identity)
         assert rank is not None
         log.info("rank %d: up (info %r)", rank, self.state.info(rank))
-        self.on_rank_up(rank)
+        self.listener.rank_up(rank)
         self.ranks_changed.set()
         self.ranks_changed = trio.Event()
 
@@ -277,7 +294,7 @@ class GroupTransport:
             for frames in zs.receive_nowait():
                 self._on_input_message(frames)
             if sent_any:
-                self.on_flushed()
+                self.listener.flushed()
                 await trio.lowlevel.checkpoint()
             elif zs.queued and self._blocked_since is not None:
                 # The head message's peer is at its HWM: poll gently until the send
@@ -336,7 +353,7 @@ class GroupTransport:
         for frames in reversed(kept):
             zs.unpop_queued(frames)
         log.warning("rank %d: %s", rank, cause)
-        self.on_send_failure(rank, cause)
+        self.listener.send_failed(rank, cause)
 
     def _on_input_message(self, frames: list[bytes]) -> None:
         if len(frames) == 2:
@@ -422,12 +439,16 @@ async def open_group_transport(
     advertise_host: str | None = None,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     send_timeout: float = 10.0,
+    listener: TransportListener | None = None,
 ) -> AsyncIterator[GroupTransport]:
     """Bind the group's sockets, wait for all `engines` ranks, yield the transport.
 
     The handshake and input tasks keep running inside the block (rejoins), in the
     nursery `transport.nursery`, where callers may start their own tasks (the client's
     dispatcher). Leaving the block cancels them and closes everything.
+
+    `listener` is told of ranks coming up, rejoins, failed sends and flushes, from
+    the start (during the initial handshake too).
 
     Cancellation: if cancelled while waiting for the ranks, the sockets are closed and
     nothing is left running.
@@ -438,6 +459,7 @@ async def open_group_transport(
         advertise_host=advertise_host,
         max_message_size=max_message_size,
         send_timeout=send_timeout,
+        listener=listener,
     )
     try:
         async with open_service_nursery() as nursery:

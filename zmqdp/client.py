@@ -79,7 +79,7 @@ from ._core.errors import (
 from ._core.messages import Abort, Call, Load, Wake
 from ._core.requests import Outcome
 from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, Failure, GroupCore
-from ._transport import GroupTransport, open_group_transport
+from ._transport import GroupTransport, TransportListener, open_group_transport
 from ._util import NoPublicConstructor
 from .stream import RequestStream
 
@@ -219,6 +219,32 @@ class GroupStatistics:
     """Handshake answers dropped because that peer did not read them."""
 
 
+class _GroupListener(TransportListener):
+    """Passes the transport's events to the group once it exists. Before that (the
+    initial handshake) there is nothing to tell: the group starts from the ready
+    handshake state."""
+
+    group: EngineGroup | None = None
+
+    def rank_up(self, rank: int) -> None:
+        if self.group is not None:
+            self.group._on_rank_up(rank)
+
+    def rejoin(self, rank: int) -> None:
+        if self.group is not None:
+            self.group._rank_dead(
+                rank, "said HELLO again (rejoin): its previous incarnation is dead", rejoin=True
+            )
+
+    def send_failed(self, rank: int, cause: str) -> None:
+        if self.group is not None:
+            self.group._rank_dead(rank, cause)
+
+    def flushed(self) -> None:
+        if self.group is not None:
+            self.group._after_flush()
+
+
 class EngineGroup(metaclass=NoPublicConstructor):
     """The client of one engine group. Create it with `EngineGroup.connect`."""
 
@@ -267,6 +293,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
         Cancellation: cancelled while waiting for the engines, it closes everything
         and leaves nothing running.
         """
+        listener = _GroupListener()
         async with open_group_transport(
             url,
             engines,
@@ -274,6 +301,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             advertise_host=advertise_host,
             max_message_size=max_message_size,
             send_timeout=send_timeout,
+            listener=listener,
         ) as transport:
             core: GroupCore[RequestStream] = GroupCore(
                 engines,
@@ -285,10 +313,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             group = cls._create(transport, core)
             for rank in range(engines):
                 group._on_rank_up(rank)
-            transport.on_rank_up = group._on_rank_up
-            transport.on_rejoin = group._on_rejoin
-            transport.on_send_failure = group._on_send_failure
-            transport.on_flushed = group._after_flush
+            listener.group = group
             assert transport.nursery is not None
             transport.nursery.start_soon(group._dispatch, name="zmqdp-dispatcher")
             try:
@@ -533,14 +558,6 @@ class EngineGroup(metaclass=NoPublicConstructor):
         )
         self._states[rank].value = RankState.UP
         log.info("rank %d: up (epoch %s)", rank, state.epoch(rank))
-
-    def _on_rejoin(self, rank: int) -> None:
-        self._rank_dead(
-            rank, "said HELLO again (rejoin): its previous incarnation is dead", rejoin=True
-        )
-
-    def _on_send_failure(self, rank: int, cause: str) -> None:
-        self._rank_dead(rank, cause)
 
     def _rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
         failure = self._core.rank_down(rank, cause, rejoin=rejoin)

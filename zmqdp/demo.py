@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import trio
 
 from . import EngineDead, EngineGroup, GroupClosed, HandshakeTimeout, Request, ZmqdpError
+from .mock import mock_process
 
 FAULTS = ("dead", "silent", "garbage", "rejoin", "bad_hello")
 
@@ -67,9 +67,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _mock_command(args: argparse.Namespace, url: str) -> list[str]:
-    cmd = [sys.executable, "-m", "zmqdp", "mock", "--url", url, "--engines", str(args.engines)]
-    cmd += ["--step-time", str(args.step_time)]
+def _mock_args(args: argparse.Namespace) -> list[str]:
+    cmd = ["--step-time", str(args.step_time)]
     if args.lockstep:
         cmd.append("--lockstep")
     if args.slow_rank is not None:
@@ -129,47 +128,44 @@ async def run_demo(args: argparse.Namespace, console: Any = None) -> Run:
     directory = tempfile.mkdtemp(prefix="zmqdp-demo-")  # mode 0700
     url = f"ipc://{directory}/group"
     run = Run()
-    proc = await trio.lowlevel.open_process(
-        _mock_command(args, url), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
     try:
-        silence = 2.0 if args.fault == "silent" else 30.0
-        ready = 5.0 if args.fault == "bad_hello" else 60.0
-        try:
-            async with EngineGroup.connect(
-                url, args.engines, ready_timeout=ready, silence_timeout=silence
-            ) as group:
-                run.started = trio.current_time()
-                if console is not None and not args.no_progress:
-                    from rich.progress import (
-                        BarColumn,
-                        MofNCompleteColumn,
-                        Progress,
-                        TimeElapsedColumn,
-                    )
-
-                    with Progress(
-                        "[progress.description]{task.description}",
-                        BarColumn(),
-                        MofNCompleteColumn(),
-                        TimeElapsedColumn(),
-                        console=console,
-                    ) as progress:
-                        await _workload(group, args, run, progress)
-                else:
-                    await _workload(group, args, run, None)
-                run.ended = trio.current_time()
-        except HandshakeTimeout as exc:
-            run.connect_error = exc
+        async with mock_process(url, args.engines, *_mock_args(args)):
+            await _run_against(url, args, run, console)
     finally:
-        proc.terminate()
-        with trio.move_on_after(5) as waiting:
-            await proc.wait()
-        if waiting.cancelled_caught:
-            proc.kill()
-            await proc.wait()
         shutil.rmtree(directory, ignore_errors=True)
     return run
+
+
+async def _run_against(url: str, args: argparse.Namespace, run: Run, console: Any) -> None:
+    """Connect to the mock group at `url`, run the workload, record it in `run`."""
+    silence = 2.0 if args.fault == "silent" else 30.0
+    ready = 5.0 if args.fault == "bad_hello" else 60.0
+    try:
+        async with EngineGroup.connect(
+            url, args.engines, ready_timeout=ready, silence_timeout=silence
+        ) as group:
+            run.started = trio.current_time()
+            if console is not None and not args.no_progress:
+                from rich.progress import (
+                    BarColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    TimeElapsedColumn,
+                )
+
+                with Progress(
+                    "[progress.description]{task.description}",
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeElapsedColumn(),
+                    console=console,
+                ) as progress:
+                    await _workload(group, args, run, progress)
+            else:
+                await _workload(group, args, run, None)
+            run.ended = trio.current_time()
+    except HandshakeTimeout as exc:
+        run.connect_error = exc
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -40,7 +40,11 @@ restarted engine would (an independent client RESYNCs a rank it declared dead).
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -61,7 +65,7 @@ from .engine import (
     connect_engine,
 )
 
-__all__ = ["MockConfig", "RankFaults", "run_mock_group"]
+__all__ = ["MockConfig", "RankFaults", "mock_process", "run_mock_group"]
 
 log = logging.getLogger("zmqdp.mock")
 
@@ -416,3 +420,28 @@ def merge_faults(items: list[tuple[int, RankFaults]]) -> dict[int, RankFaults]:
         changes = {k: v for k, v in vars(f).items() if v != getattr(RankFaults(), k)}
         out[rank] = replace(base, **changes)
     return out
+
+
+@asynccontextmanager
+async def mock_process(
+    url: str, engines: int, *args: str, stop_timeout: float = 5.0
+) -> AsyncIterator[trio.Process]:
+    """Run `python -m zmqdp mock --url URL --engines N ARGS...` in a subprocess for the
+    block (the demo's and the tests' mock group): SIGTERM on the way out, SIGKILL if it
+    has not exited after `stop_timeout` s.
+
+    Cancellation: the process is stopped all the same (shielded, bounded)."""
+    cmd = [sys.executable, "-m", "zmqdp", "mock", "--url", url, "--engines", str(engines)]
+    proc = await trio.lowlevel.open_process(
+        [*cmd, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        yield proc
+    finally:
+        with trio.CancelScope(shield=True):
+            proc.terminate()
+            with trio.move_on_after(stop_timeout):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
