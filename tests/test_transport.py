@@ -357,13 +357,13 @@ async def test_ipc_directory_is_created_private_and_stale_sockets_removed(tmp_pa
             pass
         nursery.cancel_scope.cancel()
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-    # the socket files are left behind (zmq does not always unlink them): rebinding
-    # removes them instead of failing with EADDRINUSE
+    assert sorted(os.listdir(directory)) == []  # the group removed its socket files
+    # a stale socket file (its process is gone) is removed instead of failing with
+    # EADDRINUSE
     stale = directory / "g"
-    if not stale.exists():
-        s = socket.socket(socket.AF_UNIX)
-        s.bind(str(stale))
-        s.close()
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale))
+    s.close()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_engine, url, 0, 1)
         async with open_group_transport(url, 1) as transport:
@@ -380,3 +380,36 @@ def test_wildcard_tcp_host_needs_an_advertised_host() -> None:
         assert transport.state.input_address == transport.input_address
     finally:
         transport.close()
+
+
+@pytest.mark.parametrize("mode", [0o711, 0o701, 0o750])
+async def test_an_ipc_directory_others_can_enter_is_refused(tmp_path: Path, mode: int) -> None:
+    directory = tmp_path / "enterable"
+    directory.mkdir()
+    directory.chmod(mode)
+    with pytest.raises(PermissionError, match="chmod go-wx"):
+        async with open_group_transport(f"ipc://{directory}/g", 1, ready_timeout=1):
+            pass  # pragma: no cover
+
+
+async def test_a_url_a_live_group_serves_is_refused_not_taken_over(ipc_url: str) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_engine, ipc_url, 0, 1)
+        async with open_group_transport(ipc_url, 1) as first:
+            with pytest.raises(FileExistsError, match="served by a live process"):
+                GroupTransport(ipc_url, 1)
+            await round_trip(first)  # the first group still has its sockets
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_socket_counts_no_fallbacks(ctx: Any) -> None:
+    """The safety timeout firing on a socket with nothing to read is not a missed
+    wake-up: only a timeout that finds the socket ready counts."""
+    rx = raw(ctx, zmq.PULL)
+    rx.safety_timeout = 0.01
+    rx.sock.bind("inproc://idle")
+    with trio.move_on_after(0.2):
+        await rx.receive_batch()
+    stats = rx.statistics()
+    assert stats.waits >= 2 and stats.fallbacks == 0
+    rx.close()

@@ -2,9 +2,12 @@
 
 For `ipc://P` the client binds the handshake at `ipc://P`, input at `ipc://P.in` and
 output at `ipc://P.out`. The directory holding them is created with mode 0700 if it is
-missing, and refused if another user owns it or group/others may write it: anyone who
-can write there can replace a socket file and impersonate an engine or the client.
-Stale socket files are removed before binding (never other kinds of file).
+missing, and refused if another user owns it or group/others may enter or write it:
+anyone who can write there can replace a socket file and impersonate an engine or the
+client, and anyone who can enter it can connect to the sockets. Stale socket files are
+removed before binding (never other kinds of file, and never a socket a live process
+still serves: a second group on the same URL is refused instead of silently taking the
+first one's sockets); the group removes its socket files when it closes.
 
 For `tcp://H:PORT` the handshake binds there and input/output bind on OS-chosen ports
 of the same host. A wildcard host (`*`, `0.0.0.0`, `::`) cannot be advertised, so it
@@ -14,11 +17,19 @@ needs an explicit `advertise_host`.
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["GroupAddress", "is_ipv6", "parse_group_url"]
+__all__ = [
+    "GroupAddress",
+    "is_ipv6",
+    "parse_group_url",
+    "prepare_ipc_directory",
+    "remove_socket_files",
+    "socket_paths",
+]
 
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", "[*]"})
 
@@ -103,17 +114,55 @@ def prepare_ipc_directory(address: GroupAddress) -> None:
             f"ipc directory {directory} is owned by uid {st.st_uid}, not by this user "
             f"(uid {os.getuid()}): use a directory of your own, e.g. under $XDG_RUNTIME_DIR"
         )
-    if st.st_mode & 0o022:
+    if st.st_mode & 0o033:
         raise PermissionError(
-            f"ipc directory {directory} is writable by group or others "
-            f"(mode {stat.S_IMODE(st.st_mode):o}): other users could replace the sockets; "
-            f"fix it with: chmod go-w {directory}"
+            f"ipc directory {directory} can be entered or written by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):o}): other users could reach or replace the "
+            f"sockets; fix it with: chmod go-wx {directory}"
         )
-    for sock_path in (path, f"{path}.in", f"{path}.out"):
+    for sock_path in socket_paths(address):
         try:
             mode = os.lstat(sock_path).st_mode
         except FileNotFoundError:
             continue
         if not stat.S_ISSOCK(mode):
             raise FileExistsError(f"{sock_path} exists and is not a socket; refusing to replace it")
+        if _is_served(sock_path):
+            raise FileExistsError(
+                f"{sock_path} is served by a live process (another engine group on "
+                f"{address.handshake}?): refusing to take it over; use another URL"
+            )
         os.unlink(sock_path)
+
+
+def socket_paths(address: GroupAddress) -> list[str]:
+    """The socket files of an ipc group (none for tcp)."""
+    if address.transport != "ipc":
+        return []
+    path = address.handshake[len("ipc://") :]
+    return [path, f"{path}.in", f"{path}.out"]
+
+
+def _is_served(sock_path: str) -> bool:
+    """Whether a process accepts connections on this Unix socket (a stale file, left by
+    a process that is gone, refuses them)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(sock_path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def remove_socket_files(address: GroupAddress) -> None:
+    """After the group's sockets are closed: remove their files (libzmq does not
+    always), so no stale socket is left behind."""
+    for sock_path in socket_paths(address):
+        try:
+            if stat.S_ISSOCK(os.lstat(sock_path).st_mode):
+                os.unlink(sock_path)
+        except FileNotFoundError:
+            pass

@@ -44,7 +44,12 @@ from dataclasses import dataclass
 import trio
 import zmq
 
-from ._addresses import GroupAddress, parse_group_url, prepare_ipc_directory
+from ._addresses import (
+    GroupAddress,
+    parse_group_url,
+    prepare_ipc_directory,
+    remove_socket_files,
+)
 from ._core.codec import decode_handshake, encode_handshake
 from ._core.errors import HandshakeTimeout, ProtocolError, quote
 from ._core.handshake import HandshakeState, identity_rank, rank_identity
@@ -126,11 +131,13 @@ class GroupTransport:
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._sockets: list[ZSocket] = []
+        self._bound = False  # only the socket files we bound are ours to remove
         try:
             prepare_ipc_directory(self.address)
             self.handshake = self._router(self.address.handshake, max_message_size, safety_timeout)
             self.input = self._router(self.address.input, max_message_size, safety_timeout)
             self.output = self._router(self.address.output, max_message_size, safety_timeout)
+            self._bound = True
         except BaseException:
             self._close_sockets()
             raise
@@ -404,6 +411,8 @@ class GroupTransport:
         """Close every socket (unsent messages are dropped) and the context."""
         self._close_sockets()
         self._sockets = []
+        if self._bound:
+            remove_socket_files(self.address)
 
     async def aclose(self) -> None:
         """Close after the owning tasks have ended, delivering what is still queued on
@@ -428,6 +437,8 @@ class GroupTransport:
         if self._own_context:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.context.term)
+        if self._bound:
+            remove_socket_files(self.address)
 
 
 @asynccontextmanager

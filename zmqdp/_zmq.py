@@ -69,7 +69,8 @@ class ZSocketStatistics:
     waits: int
     """Times the owner parked on the fd."""
     fallbacks: int
-    """Times the safety timeout, not the fd, ended a wait. Should stay 0."""
+    """Times the safety timeout ended a wait and found the socket ready: a wake-up the
+    fd missed. Should stay 0 (a timeout on an idle socket does not count)."""
     kicks: int
     """Times another task woke the parked owner."""
     queued: int
@@ -123,8 +124,8 @@ class ZSocket:
             self._waits += 1
             with trio.move_on_after(self.safety_timeout) as scope:
                 await trio.lowlevel.wait_readable(self.fd)
-            if scope.cancelled_caught:
-                self._fallbacks += 1
+            if scope.cancelled_caught and getsockopt(_EVENTS) & flag:
+                self._fallbacks += 1  # ready, yet the fd never said so: a missed wake-up
 
     # -- receiving --------------------------------------------------------------------
 
