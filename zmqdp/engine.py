@@ -151,9 +151,6 @@ class _Queued(NamedTuple):
     messages: list[list[bytes]]
 
 
-_Outgoing = _Queued | list[bytes]  # a bare list: a legacy raw message, sent as it is
-
-
 class Engine(metaclass=NoPublicConstructor):
     """One connected rank. Iterate it for inbound messages; `send()` output batches.
 
@@ -189,7 +186,7 @@ class Engine(metaclass=NoPublicConstructor):
         self._input: ZSocket | None = None
         self._output: ZSocket | None = None
         self._in_send, self._in_recv = trio.open_memory_channel[Inbound](1024)
-        self._out_send, self._out_recv = trio.open_memory_channel[_Outgoing](256)
+        self._out_send, self._out_recv = trio.open_memory_channel[_Queued](256)
         # The current incarnation; send() reads these four without a checkpoint between.
         self._incarnation = 0
         self._epoch: int | None = None
@@ -490,11 +487,8 @@ class Engine(metaclass=NoPublicConstructor):
         Cancellation: the batch being sent, and the rest of a split one, are dropped.
         """
         async for item in self._out_recv:
-            if isinstance(item, _Queued):
-                current = self._serving and item.incarnation == self._incarnation
-                messages = item.messages
-            else:
-                current, messages = self._serving, [item]
+            current = self._serving and item.incarnation == self._incarnation
+            messages = item.messages
             zs = self._output
             if not current or zs is None:
                 self._stale += 1
