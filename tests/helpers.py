@@ -8,6 +8,7 @@ one in conftest.py.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from zmqdp._core.messages import Init, Ready, Register, Reject, Resync
 from zmqdp._transport import GroupTransport, open_group_transport
 from zmqdp._zmq import ZSocket
 from zmqdp.engine import Wake
+from zmqdp.keys import EngineKeys
 
 from .engines import ScriptedEngine, start_engines
 
@@ -141,6 +143,14 @@ def client_in_background(
 # -- raw sockets ----------------------------------------------------------------------
 
 
+def free_tcp_url() -> str:
+    """A loopback tcp URL on a port that was free a moment ago (engines must know the
+    port before the client has bound it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
 @contextmanager
 def zmq_context() -> Iterator[zmq.Context[Any]]:
     """A private pyzmq context; whatever a failed test left open is closed with it."""
@@ -151,25 +161,43 @@ def zmq_context() -> Iterator[zmq.Context[Any]]:
         context.destroy(linger=0)
 
 
-def raw(ctx: Any, kind: int, identity: bytes | None = None) -> ZSocket:
-    """A `ZSocket` on a new pyzmq socket of `kind` (LINGER 0, routing id `identity`)."""
+def raw(
+    ctx: Any, kind: int, identity: bytes | None = None, options: dict[int, Any] | None = None
+) -> ZSocket:
+    """A `ZSocket` on a new pyzmq socket of `kind` (LINGER 0, routing id `identity`,
+    and any other socket `options`, set before it connects)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
+    for option, value in (options or {}).items():
+        sock.setsockopt(option, value)
     return ZSocket(sock, safety_timeout=30)
+
+
+def curve_options(keys: EngineKeys) -> dict[int, Any]:
+    """The socket options of a CURVE client with an engine's keys."""
+    return {
+        zmq.CURVE_SERVERKEY: keys.server,
+        zmq.CURVE_PUBLICKEY: keys.public,
+        zmq.CURVE_SECRETKEY: keys.secret,
+    }
 
 
 class RawEngine:
     """One rank played by hand on raw DEALERs with the rank's identity, so that a test
-    can send exactly the bytes it wants. Use it from one task (ZSocket's rule)."""
+    can send exactly the bytes it wants. Use it from one task (ZSocket's rule).
+    `options` go on every socket (`curve_options(keys)` for a CURVE group)."""
 
-    def __init__(self, ctx: Any, url: str, rank: int, size: int) -> None:
+    def __init__(
+        self, ctx: Any, url: str, rank: int, size: int, options: dict[int, Any] | None = None
+    ) -> None:
         self.ctx = ctx
         self.rank = rank
         self.size = size
+        self.options = options
         self.identity = rank_identity(rank)
-        self.hs = raw(ctx, zmq.DEALER, self.identity)
+        self.hs = raw(ctx, zmq.DEALER, self.identity, options)
         self.hs.sock.connect(url)
         self.inp: ZSocket | None = None
         self.out: ZSocket | None = None
@@ -202,9 +230,9 @@ class RawEngine:
     def open_io(self, init: Init) -> None:
         """Connect input and output DEALERs once, to the addresses of the first INIT."""
         if self.inp is None:
-            self.inp = raw(self.ctx, zmq.DEALER, self.identity)
+            self.inp = raw(self.ctx, zmq.DEALER, self.identity, self.options)
             self.inp.sock.connect(init.input)
-            self.out = raw(self.ctx, zmq.DEALER, self.identity)
+            self.out = raw(self.ctx, zmq.DEALER, self.identity, self.options)
             self.out.sock.connect(init.output)
 
     async def ready(self, info: Any = None) -> None:

@@ -37,7 +37,13 @@ from typing import Any
 
 import cbor2
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from zmqdp._core.errors import (
     DuplicateRequestId,
@@ -68,6 +74,18 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"<{self.request_id}#{self.serial}>"
+
+
+@dataclass
+class _Pending:
+    """The batch the dispatcher is on: its incarnation, the slices still to come, and
+    the wire ids it has already ended."""
+
+    eng: Incarnation
+    chunks: deque[list[Event]]
+    dead: bool
+    failed: set[str]
+    rest: Any = None
 
 
 @dataclass
@@ -107,10 +125,13 @@ class RetirementMachine(RuleBasedStateMachine):
     @initialize(
         n=st.integers(1, MAX_RANKS),
         limits=st.lists(st.sampled_from([SMALL_LIMIT, 1 << 20]), min_size=MAX_RANKS),
+        slice_entries=st.sampled_from([1, 2, 4096]),
     )
-    def setup(self, n: int, limits: list[int]) -> None:
+    def setup(self, n: int, limits: list[int], slice_entries: int) -> None:
         self.n = n
         self.core: GroupCore[Handle] = self.core_cls(n, lockstep=False)
+        self.core.slice_entries = slice_entries  # small: long batches come in slices
+        self.pending: _Pending | None = None
         self.routing = self.core.routing
         self.limits = limits[:n]
         self.epochs = itertools.count(100)
@@ -251,6 +272,7 @@ class RetirementMachine(RuleBasedStateMachine):
 
     # -- engine rules (any incarnation, current or zombie) ----------------------------
 
+    @precondition(lambda self: any(e.inbox for e in self._engines()))
     @rule(data=st.data())
     def engine_takes_input(self, data: st.DataObject) -> None:
         engines = [e for e in self._engines() if e.inbox]
@@ -259,11 +281,13 @@ class RetirementMachine(RuleBasedStateMachine):
         eng = data.draw(st.sampled_from(engines))
         kind, wid, handle = eng.inbox.popleft()
         if kind == "add":
-            assert handle is not None and wid not in eng.held
+            assert handle is not None
+            assert wid not in eng.held, f"an ADD reused wire id {wid!r}, which the engine holds"
             eng.held[wid] = handle
         elif wid in eng.held:
             eng.outbox.append([Event("confirm", wid, eng.held.pop(wid))])
 
+    @precondition(lambda self: any(e.held for e in self._engines()))
     @rule(data=st.data())
     def engine_emits(self, data: st.DataObject) -> None:
         engines = [e for e in self._engines() if e.held]
@@ -272,11 +296,16 @@ class RetirementMachine(RuleBasedStateMachine):
         eng = data.draw(st.sampled_from(engines))
         wid = data.draw(st.sampled_from(sorted(eng.held)))
         how = data.draw(
-            st.sampled_from(["output", "terminal", "terminal+finished", "drop", "bad", "mixed"])
+            st.sampled_from(
+                ["output", "outputs", "terminal", "terminal+finished", "drop", "bad", "mixed"]
+            )
         )
         handle = eng.held[wid]
         if how == "output":
             eng.outbox.append([Event("output", wid, handle)])
+            return
+        if how == "outputs":  # several steps' worth in one batch
+            eng.outbox.append([Event("output", wid, handle) for _ in range(3)])
             return
         del eng.held[wid]
         if how == "terminal":
@@ -289,6 +318,17 @@ class RetirementMachine(RuleBasedStateMachine):
             eng.outbox.append([Event("terminal", wid, handle), Event("bad", None, None)])
         else:
             eng.outbox.append([Event("terminal", wid, handle), Event("dup", wid, handle)])
+
+    @precondition(lambda self: any(len(e.outbox) >= 2 for e in self._engines()))
+    @rule(data=st.data())
+    def engine_merges_batches(self, data: st.DataObject) -> None:
+        """An engine sends what it has queued as one batch, in order: batches grow long
+        (longer than `slice_entries`), and a `dead` can come with entries."""
+        engines = [e for e in self._engines() if len(e.outbox) >= 2]
+        if engines:
+            eng = data.draw(st.sampled_from(engines))
+            first = eng.outbox.popleft()
+            eng.outbox[0] = first + eng.outbox[0]
 
     @rule(data=st.data())
     def zombie_steals_input(self, data: st.DataObject) -> None:
@@ -306,7 +346,10 @@ class RetirementMachine(RuleBasedStateMachine):
         engines = self._engines()
         if engines:
             eng = data.draw(st.sampled_from(engines))
-            eng.outbox.append([Event("dead", None, None)])
+            if eng.outbox and data.draw(st.booleans(), label="with the last batch"):
+                eng.outbox[-1] = [*eng.outbox[-1], Event("dead", None, None)]
+            else:
+                eng.outbox.append([Event("dead", None, None)])
 
     @rule(data=st.data(), rid=st.sampled_from(["ghost", *IDS]))
     def engine_sends_garbage_ids(self, data: st.DataObject, rid: str) -> None:
@@ -316,8 +359,14 @@ class RetirementMachine(RuleBasedStateMachine):
             eng = data.draw(st.sampled_from(engines))
             eng.outbox.append([Event("ghost", rid, None)])
 
+    @precondition(lambda self: self.pending is None and any(e.outbox for e in self._engines()))
     @rule(data=st.data())
     def client_receives(self, data: st.DataObject) -> None:
+        """The dispatcher takes one batch; a long one (more than `slice_entries`
+        entries) is applied slice by slice, and the rest may wait while other rules run
+        (`client_continues`), as the dispatcher checkpoints between slices."""
+        if self.pending is not None:
+            return  # the dispatcher is still on a batch: it takes the next one after
         engines = [e for e in self._engines() if e.outbox]
         if not engines:
             return
@@ -325,13 +374,56 @@ class RetirementMachine(RuleBasedStateMachine):
         events = eng.outbox.popleft()
         rank = eng.rank
         current = self.current[rank] is eng
-        outputs: list[dict[str, Any]] = []
-        finished: list[Any] = []
-        expect_deliver: list[tuple[Handle, str]] = []
-        expect_end: list[tuple[Handle, Outcome]] = []
-        failed: set[str] = set()
         dead = any(ev.kind == "dead" for ev in events)
         events = [ev for ev in events if ev.kind != "dead"]
+        out_kinds = ("bad", "output", "terminal", "ghost")
+        out_events = [ev for ev in events if ev.kind in out_kinds]
+        fin_events = [ev for ev in events if ev.kind not in out_kinds]  # drop, confirm, dup
+        outputs: list[dict[str, Any]] = []
+        for ev in out_events:
+            if ev.kind == "bad":
+                outputs.append({"id": ev.wire_id, "finish": 3} if ev.wire_id else {"x": 1})
+            else:
+                finish = "stop" if ev.kind != "output" else None
+                outputs.append({"id": ev.wire_id, "body": 1, "finish": finish})
+        batch: dict[str, Any] = {"rank": rank, "epoch": eng.epoch, "outputs": outputs}
+        batch["finished"] = [ev.wire_id for ev in fin_events]
+        # every batch reports load, so a zombie's would show if it were applied
+        batch["load"] = {"waiting": 9, "running": 9, "kv": 0.9}
+        if dead:
+            batch["dead"] = "going away"
+        ordered = out_events + fin_events  # the order the core slices entries in
+        k = self.core.slice_entries
+        chunks = deque(ordered[i : i + k] for i in range(0, len(ordered), k)) or deque([[]])
+        self.now += 0.001
+        load_before = self.routing.load(rank)
+        got_rank, result = self.core.on_message([rank_identity(rank), cbor2.dumps(batch)], self.now)
+        assert got_rank == rank
+        if not current:
+            assert self.routing.load(rank) == load_before, "a stale batch's load was applied"
+        self.pending = _Pending(eng, chunks, dead, set())
+        self._check_slice(result)  # the rest, if any, comes with `client_continues`
+
+    @precondition(lambda self: self.pending is not None and self.pending.rest is not None)
+    @rule()
+    def client_continues(self) -> None:
+        """The dispatcher applies the next slice of the batch it is on."""
+        if self.pending is None or self.pending.rest is None:
+            return
+        self.now += 0.001
+        self._check_slice(self.core.continue_batch(self.pending.rest, self.now))
+
+    def _check_slice(self, result: Any) -> None:
+        """Compare what the core did with one slice against the model's prediction."""
+        pending = self.pending
+        assert pending is not None
+        eng = pending.eng
+        rank = eng.rank
+        chunk = pending.chunks.popleft()
+        current = self.current[rank] is eng
+        failed = pending.failed
+        expect_deliver: list[tuple[Handle, str]] = []
+        expect_end: list[tuple[Handle, Outcome]] = []
 
         def live(ev: Event) -> bool:
             entry = self.live.get(ev.truth.request_id) if ev.truth is not None else None
@@ -343,45 +435,29 @@ class RetirementMachine(RuleBasedStateMachine):
                 and ev.wire_id not in failed
             )
 
-        # The core ends the requests named by malformed entries first (§7).
-        for ev in events:
+        # The core ends the requests named by a slice's malformed entries first (§7).
+        for ev in chunk:
             if ev.kind == "bad" and ev.wire_id is not None and live(ev):
                 assert ev.truth is not None
                 expect_end.append((ev.truth, Outcome.PROTOCOL_ERROR))
                 failed.add(ev.wire_id)
-        for ev in events:
-            if ev.kind == "bad":
-                outputs.append({"id": ev.wire_id, "finish": 3} if ev.wire_id else {"x": 1})
-            elif ev.kind in ("output", "terminal", "ghost"):
-                terminal = ev.kind != "output"
-                outputs.append(
-                    {"id": ev.wire_id, "body": 1, "finish": "stop" if terminal else None}
-                )
-                if live(ev):
-                    assert ev.truth is not None
-                    expect_deliver.append((ev.truth, ev.truth.request_id))
-                    if terminal:
-                        expect_end.append((ev.truth, Outcome.FINISHED))
-                        failed.add(str(ev.wire_id))  # no longer live
-            else:
-                finished.append(ev.wire_id)
-                if ev.kind == "drop" and live(ev):
-                    assert ev.truth is not None
-                    expect_end.append((ev.truth, Outcome.TRUNCATED))
-                    failed.add(str(ev.wire_id))
-        batch: dict[str, Any] = {"rank": rank, "epoch": eng.epoch, "outputs": outputs}
-        batch["finished"] = finished
-        # every batch reports load, so a zombie's would show if it were applied
-        batch["load"] = {"waiting": 9, "running": 9, "kv": 0.9}
-        if dead:
-            batch["dead"] = "going away"
-        self.now += 0.001
-        load_before = self.routing.load(rank)
-        got_rank, result = self.core.on_message([rank_identity(rank), cbor2.dumps(batch)], self.now)
-        assert got_rank == rank
-        if not current:
-            assert self.routing.load(rank) == load_before, "a stale batch's load was applied"
-        if dead and current:
+        for ev in chunk:
+            if ev.kind in ("output", "terminal") and live(ev):
+                assert ev.truth is not None
+                expect_deliver.append((ev.truth, ev.truth.request_id))
+                if ev.kind == "terminal":
+                    expect_end.append((ev.truth, Outcome.FINISHED))
+                    failed.add(str(ev.wire_id))  # no longer live
+            elif ev.kind == "drop" and live(ev):
+                assert ev.truth is not None
+                expect_end.append((ev.truth, Outcome.TRUNCATED))
+                failed.add(str(ev.wire_id))
+        last = not pending.chunks
+        if current and not last:
+            assert result.rest is not None, f"rank {rank}: a long batch stopped after a slice"
+        else:
+            assert result.rest is None, f"rank {rank}: slices left in a batch that is over"
+        if pending.dead and current and last:
             assert result.dead is not None, f"rank {rank} announced dead, nothing happened"
         else:
             assert result.dead is None, (
@@ -395,10 +471,21 @@ class RetirementMachine(RuleBasedStateMachine):
         assert ended == expect_end, f"ended {ended}, expected {expect_end}"
         for handle, outcome in expect_end:
             self._record_end(handle, outcome, outcome)
+        pending.rest = result.rest
+        if result.rest is None:
+            self.pending = None
         if result.dead is not None:
             self._kill(rank)
 
     # -- rank lifecycle ---------------------------------------------------------------
+
+    @precondition(lambda self: self.pending is not None and self.pending.rest is not None)
+    @rule()
+    def rank_dies_mid_batch(self) -> None:
+        """The rank whose long batch the dispatcher is on dies between two slices (a
+        send to it failed, it said HELLO again): the rest must not apply."""
+        assert self.pending is not None
+        self._kill(self.pending.eng.rank)
 
     @rule(r=st.integers(0, MAX_RANKS - 1))
     def rank_dies(self, r: int) -> None:
@@ -428,6 +515,7 @@ class RetirementMachine(RuleBasedStateMachine):
         if self.current[rank] is None:
             self._bring_up(rank)
 
+    @precondition(lambda self: bool(self.zombies))
     @rule(data=st.data())
     def zombie_exits(self, data: st.DataObject) -> None:
         if self.zombies:

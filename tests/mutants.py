@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from zmqdp._core.codec import EntryCursor
 from zmqdp._core.errors import ProtocolError
 from zmqdp._core.messages import OutputBatch
+from zmqdp._core.outbox import Outbox
 from zmqdp._core.requests import RequestBook
-from zmqdp._core.state import GroupCore, RankHealth
+from zmqdp._core.state import BatchRest, BatchResult, GroupCore, RankHealth
 from zmqdp._core.waves import WaveClock
 
 # -- request lifecycle (caught by tests/lifecycle_model.py) ----------------------------
@@ -38,11 +40,41 @@ class ReusesWireIds(GroupCore[Any]):
 class DropsBatchOnBadEntry(GroupCore[Any]):
     """Treats one malformed entry as a bad batch (§7 entry scope broken)."""
 
-    def _decode(self, body: bytes) -> OutputBatch:
-        batch = super()._decode(body)
+    def _decode(self, body: bytes) -> tuple[OutputBatch, EntryCursor | None]:
+        batch, rest = super()._decode(body)
         if batch.bad_entries:
             raise ProtocolError(f"malformed entry: {batch.bad_entries[0].cause}")
-        return batch
+        return batch, rest
+
+
+class ContinuesStaleBatch(GroupCore[Any]):
+    """Applies the rest of a long batch even if its incarnation died meanwhile."""
+
+    def continue_batch(self, rest: BatchRest, now: float) -> BatchResult[Any]:
+        rest.health = self.health[rest.rank]  # pretend it is still the current one
+        if not self.is_up(rest.rank):
+            self.routing.set_up(rest.rank)
+        return super().continue_batch(rest, now)
+
+
+class _SkippingCursor(EntryCursor):
+    """Loses the first entry of every slice after the first."""
+
+    __slots__ = ()
+
+    def next_slice(self, n: int) -> Any:
+        super().next_slice(1)
+        return super().next_slice(n)
+
+
+class LosesSliceBoundaries(GroupCore[Any]):
+    """Drops an entry at each slice boundary of a long batch."""
+
+    def _decode(self, body: bytes) -> tuple[OutputBatch, EntryCursor | None]:
+        batch, rest = super()._decode(body)
+        if rest is not None:
+            rest.__class__ = _SkippingCursor
+        return batch, rest
 
 
 class NoSizeCheck(GroupCore[Any]):
@@ -50,6 +82,23 @@ class NoSizeCheck(GroupCore[Any]):
 
     def _fits(self, rank: int, frames: tuple[bytes, bytes]) -> bool:
         return True
+
+
+# -- the outbox (caught by tests/outbox_model.py) ----------------------------------------
+
+
+class HeadOfLineOutbox(Outbox[Any]):
+    """One rank whose pipe is full holds back every rank after it, as a single FIFO
+    did (the hostile-peers issue's 9.5 s delay)."""
+
+    def sendable(self, now: float) -> list[int]:
+        out = []
+        for rank, q in enumerate(self._queues):
+            if q.items and q.blocked_since is not None:
+                break
+            if q.items:
+                out.append(rank)
+        return out
 
 
 # -- waves (caught by tests/wave_model.py) ---------------------------------------------

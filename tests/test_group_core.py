@@ -16,6 +16,8 @@ from zmqdp._core.messages import Hello
 from zmqdp._core.requests import Outcome
 from zmqdp._core.state import GroupCore
 
+from .long_batches import check_long_batches
+
 EPOCH = [10, 20]
 
 
@@ -318,3 +320,30 @@ def test_the_handshake_keeps_only_the_latest_rejections() -> None:
         state.on_hello(rank_identity(7), Hello(rank=7, size=1, lockstep=False, wave=i))
     assert state.rejections == 1000
     assert len(state.rejected) == MAX_REJECTIONS_KEPT and "rank 7" in state.rejected[-1]
+
+
+def test_long_batches_apply_in_slices_as_whole_and_stop_when_their_rank_dies() -> None:
+    check_long_batches(GroupCore)()
+
+
+def test_rejoins_soon_after_the_previous_hello_are_one_identity_conflict_episode() -> None:
+    state = HandshakeState(1, "in", "out", conflict_window=30.0)
+    hello = Hello(rank=0, size=1, lockstep=False)
+    me = rank_identity(0)
+    assert state.on_hello(me, hello, now=0.0).conflict is None  # the first HELLO
+    assert state.on_hello(me, hello, now=100.0).conflict is None  # a restart, 100 s later
+    verdict = state.on_hello(me, hello, now=101.5)  # two processes take turns
+    assert verdict.rejoin and verdict.conflict == 1.5
+    assert state.on_hello(me, hello, now=102.0).conflict is None  # same episode: reported once
+    assert state.identity_conflicts == 1 and state.rejoins[0] == 3
+    assert state.on_hello(me, hello, now=200.0).conflict is None  # quiet for a window
+    assert state.on_hello(me, hello, now=201.0).conflict == 1.0  # a new episode
+    assert state.identity_conflicts == 2
+
+
+def test_load_kv_out_of_64_bit_range_is_refused_and_null_is_absent() -> None:
+    c = core()
+    c.submit("a", None, object(), 0, now=0.0)
+    assert send(c, 0, 1.0, load={"running": 1, "kv": None}).dead is None
+    assert c.routing.load(0).kv == 0.0
+    assert "connection error" in (send(c, 0, 2.0, load={"kv": 2**64 - 1}).dead or "")

@@ -7,14 +7,17 @@ not depend on the seed; the counterexample is printed by Hypothesis or in the me
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from tests import mutants
 from tests.lifecycle_model import RetirementMachine
+from tests.long_batches import check_long_batches
+from tests.outbox_model import OutboxMachine
 from tests.wave_model import Config, WaveMachine, search
 
 HUNT = settings(
@@ -23,6 +26,13 @@ HUNT = settings(
     database=None,
     deadline=None,
     report_multiple_bugs=False,
+    # Catching is the point, not the smallest counterexample: shrinking a state machine
+    # run costs minutes. `HYPOTHESIS_SHRINK_MUTANTS=1` shrinks, to study a failure.
+    phases=(
+        (Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink)
+        if os.environ.get("HYPOTHESIS_SHRINK_MUTANTS")
+        else (Phase.explicit, Phase.reuse, Phase.generate)
+    ),
 )
 
 
@@ -35,20 +45,41 @@ def _caught_by_machine(base: type[RuleBasedStateMachine], **swap: Any) -> str:
 
 LIFECYCLE_MUTANTS = {
     # a batch of a dead incarnation is applied to the new one (its load, here)
-    mutants.IgnoresEpoch: "stale batch",
-    # a late output of an aborted request reaches its successor with the same id
-    mutants.ReusesWireIds: "expected",
+    mutants.IgnoresEpoch: ("stale batch",),
+    # a late output of an aborted request reaches its successor with the same id, or
+    # the engine gets an ADD for an id it still holds
+    mutants.ReusesWireIds: ("expected", "reused wire id"),
     # one bad entry kills the rank instead of ending only the request it names
-    mutants.DropsBatchOnBadEntry: "with only entry errors",
+    mutants.DropsBatchOnBadEntry: ("with only entry errors",),
     # an ADD larger than the rank accepts is sent
-    mutants.NoSizeCheck: "which accepts",
+    mutants.NoSizeCheck: ("which accepts",),
 }
 
 
 @pytest.mark.parametrize("core", LIFECYCLE_MUTANTS, ids=lambda c: c.__name__)
 def test_retirement_machine_catches(core: type[Any]) -> None:
     message = _caught_by_machine(RetirementMachine, core_cls=core)
-    assert LIFECYCLE_MUTANTS[core] in message
+    assert any(expected in message for expected in LIFECYCLE_MUTANTS[core]), message
+
+
+SLICE_MUTANTS = {
+    # the rest of a long batch is applied after its incarnation died
+    mutants.ContinuesStaleBatch: "dead",
+    # an entry at a slice boundary of a long batch is lost
+    mutants.LosesSliceBoundaries: "expected",
+}
+
+
+@pytest.mark.parametrize("core", SLICE_MUTANTS, ids=lambda c: c.__name__)
+def test_long_batch_property_catches(core: type[Any]) -> None:
+    with pytest.raises(AssertionError) as info:
+        check_long_batches(core, HUNT)()
+    assert SLICE_MUTANTS[core] in str(info.value)
+
+
+def test_outbox_machine_catches_head_of_line_blocking() -> None:
+    message = _caught_by_machine(OutboxMachine, outbox_cls=mutants.HeadOfLineOutbox)
+    assert "held back by another rank" in message
 
 
 WAVE_MUTANTS = [mutants.BumpingClock, mutants.IgnoresStartWave, mutants.BelievedParkedClock]

@@ -21,24 +21,18 @@ import zmq
 from zmqdp import HandshakeRejected, HandshakeTimeout
 from zmqdp._core.codec import decode_batch, decode_handshake, encode_request
 from zmqdp._core.handshake import rank_identity
-from zmqdp._core.messages import Add, Init, Output, OutputBatch, Reject, Resync
+from zmqdp._core.messages import Add, Init, Output, OutputBatch, Reject, Resync, Wake
 from zmqdp._transport import GroupTransport, TransportListener, open_group_transport
 from zmqdp._zmq import POLLIN, ZSocket
 from zmqdp.engine import connect_engine
 
-from .helpers import READY_TIMEOUT, client_in_background, raw
+from .helpers import READY_TIMEOUT, client_in_background, free_tcp_url, raw
 
 
 @pytest.fixture
 def ipc_url(tmp_path: Path) -> str:
     directory = tmp_path / "run"
     return f"ipc://{directory}/g"
-
-
-def free_tcp_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 # -- the adapter ----------------------------------------------------------------------
@@ -165,15 +159,20 @@ async def run_engine(
 
 async def round_trip(transport: GroupTransport) -> None:
     """Send one ADD to every rank and collect the answers on the output socket."""
-    for rank in range(transport.size):
+    await round_trip_to(transport, *range(transport.size))
+
+
+async def round_trip_to(transport: GroupTransport, *ranks: int) -> None:
+    """Send one ADD to each of `ranks` and collect the answers on the output socket."""
+    for rank in ranks:
         transport.send(rank, encode_request(Add(f"r{rank}", rank)))
     seen: dict[int, Any] = {}
-    while len(seen) < transport.size:
+    while len(seen) < len(ranks):
         for identity, body in await transport.output.receive_batch():
             batch = decode_batch(body)
             assert rank_identity(batch.rank) == identity
             seen[batch.rank] = batch.outputs[0].body
-    assert seen == {r: {"rank": r, "echo": r} for r in range(transport.size)}
+    assert seen == {r: {"rank": r, "echo": r} for r in ranks}
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -326,15 +325,26 @@ class SendFailures(TransportListener):
         self.reported.set()
 
 
-async def test_send_to_an_unconnected_rank_is_a_clear_failure(ipc_url: str) -> None:
+async def test_send_to_a_rank_that_left_is_a_clear_failure(ipc_url: str) -> None:
     listener = SendFailures()
+    rank1 = trio.CancelScope()
+
+    async def run_rank1() -> None:
+        with rank1:
+            await run_engine(ipc_url, 1, 2)
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(run_engine, ipc_url, 0, 1)
-        async with open_group_transport(ipc_url, 1, listener=listener) as transport:
-            transport.send(3, [b"\x02", cbor2.dumps({"wave": 0})])
-            await listener.reported.wait()
-            assert listener.failed == [(3, "not connected to the input socket (EHOSTUNREACH)")]
-            await round_trip(transport)  # the other ranks are unaffected
+        nursery.start_soon(run_engine, ipc_url, 0, 2)
+        nursery.start_soon(run_rank1)
+        async with open_group_transport(ipc_url, 2, listener=listener) as transport:
+            rank1.cancel()  # rank 1 closes its sockets: its pipes go away
+            wake = encode_request(Wake(0))
+            while not listener.reported.is_set():  # until the ROUTER has seen it go
+                transport.send(1, wake)
+                await trio.lowlevel.checkpoint()
+            assert listener.failed == [(1, "not connected to the input socket (EHOSTUNREACH)")]
+            assert transport.statistics().queued == (0, 0)  # rank 1's queue was dropped
+            await round_trip_to(transport, 0)  # the other rank is unaffected
         nursery.cancel_scope.cancel()
 
 
@@ -374,7 +384,7 @@ async def test_ipc_directory_is_created_private_and_stale_sockets_removed(tmp_pa
 def test_wildcard_tcp_host_needs_an_advertised_host() -> None:
     with pytest.raises(ValueError, match="advertise_host"):
         GroupTransport("tcp://0.0.0.0:5555", 1)
-    transport = GroupTransport("tcp://0.0.0.0:*", 1, advertise_host="127.0.0.1")
+    transport = GroupTransport("tcp://0.0.0.0:*", 1, advertise_host="127.0.0.1", insecure=True)
     try:
         assert transport.input_address.startswith("tcp://127.0.0.1:")
         assert transport.state.input_address == transport.input_address

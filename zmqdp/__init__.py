@@ -23,6 +23,7 @@ from ._core.errors import (
     NoEngineAvailable,
     ProtocolError,
     RequestAborted,
+    StreamOverflow,
     StreamTruncated,
     ZmqdpError,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "NoEngineAvailable",
     "Output",
     "ProtocolError",
+    "StreamOverflow",
     "StreamTruncated",
     "ZmqdpError",
     "__version__",

@@ -1,4 +1,5 @@
-"""Command line: `python -m zmqdp demo` (the main job) and `python -m zmqdp mock`."""
+"""Command line: `python -m zmqdp demo` (the main job), `python -m zmqdp mock` and
+`python -m zmqdp keys` (CURVE keys for a group)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def _mock_parser(parser: argparse.ArgumentParser) -> None:
         metavar="RANK:KIND[=N]",
         help="dead=N, silent=N, garbage=N, rejoin=N, slow=F, bad_hello=size|lockstep",
     )
+    parser.add_argument(
+        "--keys", default=None, metavar="DIR", help="connect with CURVE keys from DIR"
+    )
     parser.add_argument("--log-level", default="WARNING")
 
 
@@ -50,6 +54,7 @@ def run_mock(args: argparse.Namespace) -> int:
         wave_agreement=not args.no_wave_agreement,
         skew=args.skew,
         faults=merge_faults([parse_fault(f) for f in args.fault]),
+        keys=args.keys,
     )
 
     async def main() -> None:
@@ -66,6 +71,36 @@ def run_mock(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", metavar="DIR", help="where to write the key files")
+    parser.add_argument("--engines", type=int, required=True, help="ranks to make keys for")
+    parser.add_argument("--force", action="store_true", help="replace existing key files")
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from .keys import generate_keys
+
+    try:
+        files = generate_keys(args.directory, args.engines, force=args.force)
+    except (OSError, ValueError) as exc:
+        # Expected failures (existing keys, permissions, bad arguments): one line, no
+        # traceback, exit status 2 like argparse's usage errors.
+        print(f"zmqdp keys: error: {exc}", file=sys.stderr)
+        return 2
+    last = args.engines - 1
+    print(f"zmqdp keys: wrote {len(files)} files for a client and {args.engines} engine(s):")
+    for file in files:
+        print(f"  {file}")
+    print(
+        "copy to the client machine: client.key_secret, "
+        + ", ".join(f"rank-{r}.key" for r in range(min(args.engines, 3)))
+        + (f", ..., rank-{last}.key" if args.engines > 3 else "")
+    )
+    print("copy to the machine of engine r: rank-r.key_secret and client.key")
+    print("secret files (*.key_secret) must stay mode 0600 and never leave their machine")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .demo import build_parser
     from .demo import main as demo_main
@@ -75,9 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     build_parser(sub.add_parser("demo", help="stream a workload through a mock engine group"))
     _mock_parser(sub.add_parser("mock", help="run a mock engine group"))
+    _keys_parser(sub.add_parser("keys", help="generate CURVE keys for a client and its engines"))
     args = parser.parse_args(argv)
     if args.command == "mock":
         return run_mock(args)
+    if args.command == "keys":
+        return run_keys(args)
     return demo_main(args)
 
 

@@ -11,11 +11,14 @@ first one's sockets); the group removes its socket files when it closes.
 
 For `tcp://H:PORT` the handshake binds there and input/output bind on OS-chosen ports
 of the same host. A wildcard host (`*`, `0.0.0.0`, `::`) cannot be advertised, so it
-needs an explicit `advertise_host`.
+needs an explicit `advertise_host`. A host other than the loopback interface is reachable
+from other machines: `GroupAddress.loopback` says which, and the transport refuses such a
+URL without CURVE keys unless the caller says `insecure=True`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import stat
@@ -25,6 +28,7 @@ from typing import Literal
 __all__ = [
     "GroupAddress",
     "is_ipv6",
+    "is_loopback",
     "parse_group_url",
     "prepare_ipc_directory",
     "remove_socket_files",
@@ -44,6 +48,8 @@ class GroupAddress:
     output: str
     advertise_host: str | None = None  # tcp: the host INIT names
     ipv6: bool = False
+    loopback: bool = True
+    """Only this machine can connect (ipc, or tcp on a loopback address)."""
 
     def advertised(self, bound: str) -> str:
         """The address to put in INIT for a socket bound at `bound` (its LAST_ENDPOINT)."""
@@ -64,6 +70,18 @@ def is_ipv6(address: str) -> bool:
     elif "://" in address:
         return False
     return ":" in address
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a tcp host names this machine's loopback interface only (`localhost`,
+    `127.x.y.z`, `::1`). Names are not resolved: anything else counts as reachable."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_group_url(url: str, advertise_host: str | None = None) -> GroupAddress:
@@ -95,6 +113,7 @@ def parse_group_url(url: str, advertise_host: str | None = None) -> GroupAddress
             f"tcp://{host}:*",
             advertise_host if wildcard else None,
             ipv6,
+            loopback=not wildcard and is_loopback(host),
         )
     raise ValueError(f"group URL {url!r}: only ipc:// and tcp:// are supported")
 

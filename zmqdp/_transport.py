@@ -13,21 +13,31 @@ exactly one owning task:
   EHOSTUNREACH and is ignored). Rejoins can come at any time, so this task never stops
   while the group is open.
 * `serve_input` owns the input ROUTER. It sends what other tasks `send()` (ADD, ABORT,
-  WAKE, CALL frames go into a queue; the owner is kicked awake) and receives the
-  REGISTER messages that complete a rank's handshake, also at any time.
+  WAKE, CALL frames go into a per-rank queue, `_core/outbox.py`; the owner is kicked
+  awake) and receives the REGISTER messages that complete a rank's handshake, also at
+  any time. A rank whose pipe is full is skipped and retried on a backing-off timer, so
+  it delays only its own messages and the task never spins.
 * The output ROUTER is handed to the caller (the dispatcher), which claims it.
+* With CURVE keys (`curve=`), `serve_zap` owns a ZAP socket bound in the transport's
+  own context before any ROUTER binds, and answers libzmq's question about every new
+  connection from the allow-list (`_core/auth.py`). Every ROUTER then also checks each
+  message: one whose routing id is not the rank of its peer's key is dropped and
+  counted, and if it came on the input or output socket the rank whose identity was
+  taken is reported (`listener.displaced`): its connection there is gone.
 
 Send failures are not raised into the task that queued the message (it has moved on):
 `listener.send_failed(rank, cause)` reports an unknown peer (EHOSTUNREACH under
-ROUTER_MANDATORY) at once, and a peer whose queue stayed full past `send_timeout`.
-Either makes the rank dead (§6); its queued messages are dropped.
+ROUTER_MANDATORY) at once, and a peer whose pipe stayed full past `send_timeout`.
+Either makes the rank dead (§6); its queued messages are dropped. So are the messages
+queued for a rank the client declares dead for any other reason (`drop_queued`): they
+belong to an incarnation that is gone.
 
 `open_group_transport` binds, runs both tasks, and waits until all N ranks are up or
 `ready_timeout` passes (`HandshakeTimeout`, naming every missing rank and every
 rejected HELLO).
 
 Closing (§9): once the tasks are gone, `aclose` takes over the input socket, pushes
-what is still queued (the ABORTs the client sends for its live requests) without
+what is still queued for each rank (the ABORTs the client sends for its live requests) without
 blocking, and closes it with a short LINGER, so those ABORTs reach the engines; the
 other sockets close with LINGER 0. The context is then terminated in a worker thread
 (bounded by that LINGER), since `term()` blocks.
@@ -35,11 +45,14 @@ other sockets close with LINGER 0. The context is then terminated in a worker th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
 import trio
 import zmq
@@ -50,10 +63,12 @@ from ._addresses import (
     prepare_ipc_directory,
     remove_socket_files,
 )
+from ._core.auth import ZAP_DOMAIN, PeerBinding, ZapPolicy
 from ._core.codec import decode_handshake, encode_handshake
 from ._core.errors import HandshakeTimeout, ProtocolError, quote
 from ._core.handshake import HandshakeState, identity_rank, rank_identity
 from ._core.messages import Hello, Init, Ready, Register, Reject, Resync
+from ._core.outbox import Outbox
 from ._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from ._util import open_service_nursery
 from ._zmq import ZSocket, ZSocketStatistics, is_unreachable
@@ -69,6 +84,23 @@ log = logging.getLogger("zmqdp")
 
 CLOSE_LINGER = 0.5
 """Seconds libzmq may spend delivering the ABORTs queued at close (§9)."""
+
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+"""Where libzmq looks for the ZAP handler of a context (RFC 27)."""
+
+
+class CurveServer(Protocol):
+    """The client's CURVE keys (`zmqdp.keys.ClientKeys`): its key pair and the
+    allow-list of engine keys."""
+
+    @property
+    def public(self) -> bytes: ...
+
+    @property
+    def secret(self) -> bytes: ...
+
+    def rank_of(self, key: bytes) -> int | None: ...
 
 
 class TransportListener:
@@ -88,6 +120,10 @@ class TransportListener:
     def flushed(self) -> None:
         """The input task sent a run of messages."""
 
+    def displaced(self, rank: int, cause: str) -> None:
+        """CURVE: a peer with another rank's key took `rank`'s identity on the input or
+        output socket (ROUTER_HANDOVER): `rank`'s connection there is gone."""
+
 
 @dataclass(frozen=True, slots=True)
 class TransportStatistics:
@@ -106,6 +142,14 @@ class TransportStatistics:
     """RESYNCs sent to ranks the group was waiting for (§2.5)."""
     dropped_answers: int
     """INIT/REJECT answers dropped because the peer's queue was full or it was gone."""
+    identity_conflicts: int
+    """Rejoins soon after the rank's previous HELLO (two processes claiming one rank)."""
+    queued: tuple[int, ...]
+    """Per rank: messages waiting for the input task (a blocked rank's grow)."""
+    refused_connections: int
+    """CURVE: connections refused by the ZAP handler (a key not on the allow-list)."""
+    impersonations: int
+    """CURVE: messages dropped because their routing id was not their key's rank."""
 
 
 class GroupTransport:
@@ -123,20 +167,45 @@ class GroupTransport:
         resync_interval: float = 1.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         listener: TransportListener | None = None,
+        curve: CurveServer | None = None,
+        insecure: bool = False,
     ) -> None:
         self.url = url
         self.size = size
         self.address: GroupAddress = parse_group_url(url, advertise_host)
+        if not self.address.loopback and curve is None and not insecure:
+            raise ValueError(
+                f"group URL {url!r} can be reached from other machines, and without "
+                "authentication anyone who connects can claim a rank, read its requests "
+                "and inject outputs. Give the client CURVE keys (curve=load_client_keys"
+                "(DIR), keys made by `python -m zmqdp keys DIR --engines N`), or pass "
+                "insecure=True if the network is trusted"
+            )
+        self.curve = curve
+        self.zap: ZapPolicy | None = None if curve is None else ZapPolicy(curve.rank_of)
+        self.binding: PeerBinding | None = None if curve is None else PeerBinding(size)
+        self.listener = listener or TransportListener()
         self.send_timeout = send_timeout
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._sockets: list[ZSocket] = []
         self._bound = False  # only the socket files we bound are ours to remove
+        self._zap: ZSocket | None = None
         try:
             prepare_ipc_directory(self.address)
-            self.handshake = self._router(self.address.handshake, max_message_size, safety_timeout)
-            self.input = self._router(self.address.input, max_message_size, safety_timeout)
-            self.output = self._router(self.address.output, max_message_size, safety_timeout)
+            if curve is not None:  # bound first: no connection is ever accepted unasked
+                sock = self.context.socket(zmq.ROUTER)
+                self._zap = ZSocket(sock, safety_timeout=safety_timeout)
+                self._sockets.append(self._zap)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(ZAP_ENDPOINT)
+            self.handshake = self._router(
+                "handshake", self.address.handshake, max_message_size, safety_timeout
+            )
+            self.input = self._router("input", self.address.input, max_message_size, safety_timeout)
+            self.output = self._router(
+                "output", self.address.output, max_message_size, safety_timeout
+            )
             self._bound = True
         except BaseException:
             self._close_sockets()
@@ -157,21 +226,56 @@ class GroupTransport:
         self._resyncs = 0
         self._dropped_answers = 0
         self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
-        self.listener = listener or TransportListener()
-        self._blocked_since: float | None = None
+        self.outbox: Outbox[list[bytes]] = Outbox(size, send_timeout=send_timeout)
+        self._identities = [rank_identity(r) for r in range(size)]
         self.nursery: trio.Nursery | None = None  # set by open_group_transport
 
-    def _router(self, address: str, max_message_size: int, safety: float) -> ZSocket:
+    def _router(self, name: str, address: str, max_message_size: int, safety: float) -> ZSocket:
         sock = self.context.socket(zmq.ROUTER)
-        self._sockets.append(ZSocket(sock, safety_timeout=safety))  # closed on failure
+        check = None if self.binding is None else partial(self._admit, name)
+        self._sockets.append(ZSocket(sock, safety_timeout=safety, peer_check=check))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         if self.address.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
+        if self.curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret)
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.bind(address)
         return self._sockets[-1]
+
+    def _admit(self, socket: str, identity: bytes, user_id: str | None) -> bool:
+        """CURVE: keep a message only if its routing id is its key's rank."""
+        assert self.binding is not None
+        keep, displaced, line = self.binding.admit(socket, identity, user_id)
+        if line is not None:
+            log.error("%s", line)
+        if displaced is not None:
+            self.listener.displaced(
+                displaced,
+                f"a peer with another rank's key took its identity on the {socket} socket",
+            )
+        return keep
+
+    async def serve_zap(self) -> None:
+        """Own the ZAP socket: answer libzmq's question about each new connection.
+
+        Cancellation: stops between requests; a connection still waiting for its
+        answer is refused when the sockets close."""
+        zs = self._zap
+        assert zs is not None and self.zap is not None
+        while True:
+            for frames in await zs.receive_batch():
+                reply, line = self.zap.answer(frames)
+                if line is not None:
+                    log.error("%s", line)
+                if reply is not None:
+                    with contextlib.suppress(zmq.ZMQError):  # that connection is gone
+                        zs.send_nowait(reply)
 
     @staticmethod
     def _endpoint(zs: ZSocket) -> str:
@@ -183,8 +287,17 @@ class GroupTransport:
 
     def send(self, rank: int, frames: Sequence[bytes]) -> None:
         """Queue a message for `rank` on the input socket; never blocks. Failures come
-        back through `listener.send_failed`."""
-        self.input.enqueue([rank_identity(rank), *frames])
+        back through `listener.send_failed`. Raises `trio.ClosedResourceError` once the
+        transport is closed."""
+        if self.input.closed:
+            raise trio.ClosedResourceError("the engine group's sockets are closed")
+        if self.outbox.put(rank, [self._identities[rank], *frames]):
+            self.input.kick()
+
+    def drop_queued(self, rank: int) -> None:
+        """Forget what is queued for `rank`: it was declared dead, and a next
+        incarnation on the same identity must not get the old one's messages."""
+        self.outbox.drop(rank)
 
     # -- the owning tasks -------------------------------------------------------------
 
@@ -250,7 +363,19 @@ class GroupTransport:
             log.warning("handshake: ignored %s from identity %s", quote(msg), identity.hex())
 
     def _answer_hello(self, identity: bytes, hello: Hello | ProtocolError) -> None:
-        verdict = self.state.on_hello(identity, hello)
+        verdict = self.state.on_hello(identity, hello, trio.current_time())
+        if verdict.conflict is not None:
+            log.error(
+                "rank %s: said HELLO again %.1f s after its previous HELLO: two processes may "
+                "be claiming rank %s (each new connection takes the rank's identity from the "
+                "other, which is left orphaned), or the engine is restarting in a loop; make "
+                "sure exactly one engine runs as rank %s (reported once per episode; "
+                "statistics().identity_conflicts counts them)",
+                verdict.rank,
+                verdict.conflict,
+                verdict.rank,
+                verdict.rank,
+            )
         if verdict.rejoin and verdict.rank is not None:
             log.warning(
                 "rank %d: HELLO again (rejoin #%d): its previous incarnation is dead",
@@ -294,71 +419,55 @@ class GroupTransport:
         self.ranks_changed = trio.Event()
 
     async def serve_input(self) -> None:
-        """Own the input ROUTER: send queued messages, receive REGISTERs, forever."""
+        """Own the input ROUTER: send queued messages, receive REGISTERs, forever.
+
+        It parks until a message arrives, another task queues one for a rank that is not
+        blocked, or a blocked rank's retry is due; it never spins on a full rank."""
         zs = self.input
+        outbox = self.outbox
         while True:
-            sent_any = self._flush_input()
+            now = trio.current_time()
+            sent_any = self._flush_input(now)
             for frames in zs.receive_nowait():
                 self._on_input_message(frames)
+            for rank in outbox.overdue(now):
+                outbox.drop(rank)
+                self._send_failed(
+                    rank, f"its input pipe stayed full for {self.send_timeout:g} s (send timeout)"
+                )
             if sent_any:
                 self.listener.flushed()
                 await trio.lowlevel.checkpoint()
-            elif zs.queued and self._blocked_since is not None:
-                # The head message's peer is at its HWM: poll gently until the send
-                # timeout, then give up on that rank.
-                if trio.current_time() - self._blocked_since > self.send_timeout:
-                    self._give_up_on_head("its input queue stayed full")
-                with trio.move_on_after(0.005):
-                    await zs.wait_readable_or_kicked()
-            else:
+                continue
+            with trio.move_on_at(outbox.next_retry()):
                 await zs.wait_readable_or_kicked()
 
-    def _flush_input(self) -> bool:
+    def _flush_input(self, now: float) -> bool:
+        """Send what each rank that is not blocked has queued, in order, until its pipe
+        is full. Returns whether anything was sent."""
         zs = self.input
+        outbox = self.outbox
         sent = False
-        while True:
-            frames = zs.pop_queued()
-            if frames is None:
-                self._blocked_since = None
-                return sent
-            try:
-                if not zs.send_nowait(frames):
-                    zs.unpop_queued(frames)
-                    if self._blocked_since is None:
-                        self._blocked_since = trio.current_time()
-                    return sent
-            except zmq.ZMQError as exc:
-                rank = identity_rank(bytes(frames[0]))
-                cause = (
-                    "not connected to the input socket (EHOSTUNREACH)"
-                    if is_unreachable(exc)
-                    else f"send failed: {exc}"
-                )
-                self._fail_rank_sends(rank, cause)
-                continue
-            self._blocked_since = None
-            sent = True
+        for rank in outbox.sendable(now):
+            while (frames := outbox.head(rank)) is not None:
+                try:
+                    if not zs.send_nowait(frames):
+                        outbox.blocked(rank, now)
+                        break
+                except zmq.ZMQError as exc:
+                    outbox.drop(rank)
+                    self._send_failed(
+                        rank,
+                        "not connected to the input socket (EHOSTUNREACH)"
+                        if is_unreachable(exc)
+                        else f"send failed: {exc}",
+                    )
+                    break
+                outbox.sent(rank)
+                sent = True
+        return sent
 
-    def _give_up_on_head(self, why: str) -> None:
-        frames = self.input.pop_queued()
-        if frames is None:
-            return
-        self._blocked_since = None
-        rank = identity_rank(bytes(frames[0]))
-        self._fail_rank_sends(rank, f"{why} for {self.send_timeout:g} s (send timeout)")
-
-    def _fail_rank_sends(self, rank: int | None, cause: str) -> None:
-        """Drop every queued message for `rank` and report the failure once."""
-        if rank is None:
-            return
-        zs = self.input
-        identity = rank_identity(rank)
-        kept = []
-        while (frames := zs.pop_queued()) is not None:
-            if bytes(frames[0]) != identity:
-                kept.append(frames)
-        for frames in reversed(kept):
-            zs.unpop_queued(frames)
+    def _send_failed(self, rank: int, cause: str) -> None:
         log.warning("rank %d: %s", rank, cause)
         self.listener.send_failed(rank, cause)
 
@@ -399,6 +508,10 @@ class GroupTransport:
             stale_registers=self.state.stale_registers,
             resyncs=self._resyncs,
             dropped_answers=self._dropped_answers,
+            identity_conflicts=self.state.identity_conflicts,
+            queued=tuple(self.outbox.queued(r) for r in range(self.size)),
+            refused_connections=0 if self.zap is None else self.zap.refused,
+            impersonations=0 if self.binding is None else self.binding.impersonations,
         )
 
     def _close_sockets(self) -> None:
@@ -424,12 +537,13 @@ class GroupTransport:
         zs = self.input
         if not zs.closed:
             zs.release()  # its owner, the input task, has ended
-            while (frames := zs.pop_queued()) is not None:
-                try:
-                    if not zs.send_nowait(frames):
-                        break  # that engine's queue is full: the rest is dropped
-                except zmq.ZMQError:
-                    continue  # that engine is gone; its requests are over anyway
+            for rank in range(self.size):
+                for frames in self.outbox.take_all(rank):
+                    try:
+                        if not zs.send_nowait(frames):
+                            break  # that engine's pipe is full: the rest is dropped
+                    except zmq.ZMQError:
+                        break  # that engine is gone; its requests are over anyway
         zs.close(linger=CLOSE_LINGER)
         for other in self._sockets:
             other.close()
@@ -451,6 +565,8 @@ async def open_group_transport(
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     send_timeout: float = 10.0,
     listener: TransportListener | None = None,
+    curve: CurveServer | None = None,
+    insecure: bool = False,
 ) -> AsyncIterator[GroupTransport]:
     """Bind the group's sockets, wait for all `engines` ranks, yield the transport.
 
@@ -471,10 +587,14 @@ async def open_group_transport(
         max_message_size=max_message_size,
         send_timeout=send_timeout,
         listener=listener,
+        curve=curve,
+        insecure=insecure,
     )
     try:
         async with open_service_nursery() as nursery:
             transport.nursery = nursery
+            if transport.zap is not None:
+                nursery.start_soon(transport.serve_zap, name="zmqdp-zap")
             nursery.start_soon(transport.serve_handshake, name="zmqdp-handshake")
             nursery.start_soon(transport.serve_input, name="zmqdp-input")
             with trio.move_on_after(ready_timeout) as waiting:

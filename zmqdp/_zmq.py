@@ -28,15 +28,24 @@ stay queued (docs/design.md, "The ZeroMQ fd rules"). The rules that make it safe
    closing never waits for unsent messages.
 
 A socket that is both sent on by request and read from (the input ROUTER: ADDs go out,
-REGISTERs come in) still has a single owner: other tasks `enqueue()` frames and the
-owner's `wait_readable_or_kicked()` is woken by a cancel-scope kick. A kick costs one
-cancellation (~60 µs) and only happens when the owner is parked; under load the owner
-is busy draining and nobody kicks.
+REGISTERs come in) still has a single owner: other tasks queue their messages elsewhere
+(the transport's per-rank `Outbox`) and `kick()` the owner, whose
+`wait_readable_or_kicked()` is woken by a cancel-scope kick, or returns at once if a
+kick came while it was busy. A kick costs one cancellation (~60 µs) and only happens
+when the owner is parked; under load the owner is busy draining and nobody kicks.
+
+8. **Memory is bounded by configuration.** One drain takes at most `limit` messages and
+   stops once it holds `max_bytes` (it always takes at least one message), so a peer
+   sending the largest messages `MAXMSGSIZE` allows cannot make one drain hold 256 of
+   them.
+
+With `peer_check` (CURVE groups), each message is received with its metadata and only
+kept if the check accepts its routing id and the `User-Id` the ZAP handler gave the
+authenticated peer; the others are dropped and counted (`refused`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 from collections.abc import Callable, Sequence
@@ -54,6 +63,12 @@ _EVENTS = zmq.EVENTS
 _NOBLOCK = zmq.NOBLOCK
 
 Frames = Sequence[bytes]
+
+PeerCheck = Callable[[bytes, str | None], bool]
+"""`(routing id, User-Id metadata) -> keep the message?`"""
+
+DEFAULT_DRAIN_BYTES = 16 * 1024 * 1024
+"""What one drain may hold, in bytes (it always takes at least one message)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,29 +88,40 @@ class ZSocketStatistics:
     fd missed. Should stay 0 (a timeout on an idle socket does not count)."""
     kicks: int
     """Times another task woke the parked owner."""
-    queued: int
-    """Messages enqueued by other tasks and not yet sent."""
+    refused: int
+    """Messages dropped because `peer_check` refused their sender (CURVE groups: a
+    routing id that is not the rank bound to the peer's key)."""
 
 
 class ZSocket:
     """A pyzmq socket used from trio by exactly one task at a time."""
 
-    def __init__(self, sock: zmq.Socket[bytes], *, safety_timeout: float = 1.0) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        *,
+        safety_timeout: float = 1.0,
+        max_bytes: int = DEFAULT_DRAIN_BYTES,
+        peer_check: PeerCheck | None = None,
+    ) -> None:
         self.sock = sock
+        self.max_bytes = max_bytes
+        self.peer_check = peer_check
         # getsockopt is typed `int | bytes`; EVENTS and FD are ints. Bind once, typed.
         self._getsockopt = cast(Callable[[int], int], sock.getsockopt)
         self.fd: int = self._getsockopt(zmq.FD)
         self.safety_timeout = safety_timeout
         self.closed = False
         self._owner: trio.lowlevel.Task | None = None
-        self._queue: collections.deque[Frames] = collections.deque()
         self._park: trio.CancelScope | None = None
+        self._kicked = False
         self._received = 0
         self._sent = 0
         self._batches = 0
         self._waits = 0
         self._fallbacks = 0
         self._kicks = 0
+        self._refused = 0
 
     # -- ownership --------------------------------------------------------------------
 
@@ -130,22 +156,56 @@ class ZSocket:
     # -- receiving --------------------------------------------------------------------
 
     def receive_nowait(self, limit: int = 256) -> list[list[bytes]]:
-        """Up to `limit` queued messages, without waiting (possibly none)."""
+        """Up to `limit` queued messages (and about `max_bytes`), without waiting
+        (possibly none)."""
         self._claim()
         return self._drain(limit)
 
     def _drain(self, limit: int) -> list[list[bytes]]:
-        sock = self.sock
         out: list[list[bytes]] = []
         if not self._getsockopt(_EVENTS) & POLLIN:  # avoids a costly zmq.Again
             return out
-        recv = sock.recv_multipart
+        if self.peer_check is not None:
+            return self._drain_checked(limit)
+        recv = self.sock.recv_multipart
+        budget = self.max_bytes
         try:
-            while len(out) < limit:
-                out.append(recv(_NOBLOCK))
+            while len(out) < limit and budget > 0:
+                frames = recv(_NOBLOCK)
+                out.append(frames)
+                for frame in frames:
+                    budget -= len(frame)
         except zmq.Again:
             pass
         self._received += len(out)
+        return out
+
+    def _drain_checked(self, limit: int) -> list[list[bytes]]:
+        """`_drain` for a socket whose peers are authenticated: read each message with
+        its metadata and keep it only if `peer_check` accepts its sender."""
+        check = self.peer_check
+        assert check is not None
+        recv = self.sock.recv_multipart
+        out: list[list[bytes]] = []
+        budget = self.max_bytes
+        taken = 0
+        try:
+            while taken < limit and budget > 0:
+                frames = recv(_NOBLOCK, copy=False)
+                taken += 1
+                data = [f.bytes for f in frames]
+                for frame in data:
+                    budget -= len(frame)
+                # The metadata travels on the frames that came over the wire, not on the
+                # routing-id frame the ROUTER prepends.
+                user_id = frames[1].get("User-Id") if len(frames) > 1 else None
+                if check(data[0], user_id if isinstance(user_id, str) else None):
+                    out.append(data)
+                else:
+                    self._refused += 1
+        except zmq.Again:
+            pass
+        self._received += taken
         return out
 
     async def receive_batch(self, limit: int = 256) -> list[list[bytes]]:
@@ -192,39 +252,23 @@ class ZSocket:
             await trio.sleep(0.001)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
-    # -- other tasks: enqueue and kick ------------------------------------------------
-
-    def enqueue(self, frames: Frames) -> None:
-        """Queue a message for the owner to send (any task may call this)."""
-        if self.closed:
-            raise trio.ClosedResourceError("the zmq socket is closed")
-        self._queue.append(frames)
-        self.kick()
+    # -- other tasks: kick -----------------------------------------------------------
 
     def kick(self) -> None:
-        """Wake the owner if it is parked in `wait_readable_or_kicked`."""
+        """Wake the owner if it is parked in `wait_readable_or_kicked`, or make its next
+        call return at once (any task may call this)."""
+        self._kicked = True
         if self._park is not None:
             self._kicks += 1
             self._park.cancel()
             self._park = None
 
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
-    def pop_queued(self) -> Frames | None:
-        """The owner takes the oldest queued message (None if there is none)."""
-        return self._queue.popleft() if self._queue else None
-
-    def unpop_queued(self, frames: Frames) -> None:
-        """The owner puts back a message it could not send yet, keeping the order."""
-        self._queue.appendleft(frames)
-
     async def wait_readable_or_kicked(self) -> None:
-        """Owner only: park until a message can be received or another task enqueues
-        or kicks. Returns at once if either is already the case."""
+        """Owner only: park until a message can be received or another task kicks.
+        Returns at once if a kick came since the last call returned."""
         self._claim()
-        if self._queue:
+        if self._kicked:
+            self._kicked = False
             await trio.lowlevel.checkpoint()
             return
         with trio.CancelScope() as scope:
@@ -233,19 +277,19 @@ class ZSocket:
                 await self._wait(POLLIN)
             finally:
                 self._park = None
+                self._kicked = False
 
     # -- closing ----------------------------------------------------------------------
 
     def close(self, linger: float = 0.0) -> None:
-        """Close now: wake any waiter with `ClosedResourceError`, drop messages still in
-        our queue. Messages already handed to libzmq are dropped too, unless `linger`
+        """Close now: wake any waiter with `ClosedResourceError`. Messages already handed
+        to libzmq are dropped, unless `linger`
         (seconds) gives libzmq that long to deliver them; `close` never waits, but a
         later `Context.term()` does, for at most `linger`. Safe to call more than once,
         from any task of this trio run."""
         if self.closed:
             return
         self.closed = True
-        self._queue.clear()
         with contextlib.suppress(RuntimeError):  # outside trio nobody can be waiting
             trio.lowlevel.notify_closing(self.fd)
         self.sock.close(linger=int(linger * 1000))
@@ -258,7 +302,7 @@ class ZSocket:
             waits=self._waits,
             fallbacks=self._fallbacks,
             kicks=self._kicks,
-            queued=len(self._queue),
+            refused=self._refused,
         )
 
 

@@ -74,13 +74,15 @@ from ._core.errors import (
     InvalidRequest,
     ProtocolError,
     RequestAborted,
+    StreamOverflow,
     quote,
 )
 from ._core.messages import Abort, Call, Load, Wake
 from ._core.requests import Outcome
-from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, Failure, GroupCore
+from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, BatchResult, Failure, GroupCore
 from ._transport import GroupTransport, TransportListener, open_group_transport
 from ._util import NoPublicConstructor
+from .keys import ClientKeys
 from .stream import RequestStream
 
 __all__ = [
@@ -95,7 +97,8 @@ __all__ = [
 
 log = logging.getLogger("zmqdp")
 
-_ABORT_BUDGET = 64 * 1024  # bytes per ABORT at close: keeps each message small
+_HELD_UP = 0.05
+"""Seconds: a dispatcher that wakes this late was held up (see `_dispatch`)."""
 
 
 class RankState(enum.Enum):
@@ -165,6 +168,8 @@ class RankStatistics:
     """Valid batches received from its current incarnation."""
     protocol_errors: int
     """Its invalid messages and malformed entries, this incarnation."""
+    queued: int
+    """Messages waiting to be sent to it (they pile up while its input pipe is full)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +195,8 @@ class GroupStatistics:
     the ADD was too large; nothing was sent or kept."""
     protocol_failed: int
     """Requests ended with `ProtocolError` by a malformed entry naming them (§7)."""
+    overflowed: int
+    """Requests aborted because their consumer fell `max_buffered` outputs behind."""
     protocol_errors: int
     """Messages that were not valid batches (each killed its rank), or came from an
     identity that is no rank."""
@@ -217,6 +224,13 @@ class GroupStatistics:
     """RESYNCs sent to ranks the group waited for (start-up, after a death)."""
     dropped_answers: int
     """Handshake answers dropped because that peer did not read them."""
+    identity_conflicts: int
+    """Times a rank said HELLO again soon after its previous HELLO: two processes
+    claiming one rank, or an engine restarting in a loop (logged once, loudly)."""
+    refused_connections: int
+    """CURVE: connections refused because their key is not on the allow-list."""
+    impersonations: int
+    """CURVE: messages dropped because their routing id was not their key's rank."""
 
 
 class _GroupListener(TransportListener):
@@ -244,6 +258,10 @@ class _GroupListener(TransportListener):
         if self.group is not None:
             self.group._after_flush()
 
+    def displaced(self, rank: int, cause: str) -> None:
+        if self.group is not None:
+            self.group._rank_dead(rank, cause)
+
 
 class EngineGroup(metaclass=NoPublicConstructor):
     """The client of one engine group. Create it with `EngineGroup.connect`."""
@@ -251,9 +269,15 @@ class EngineGroup(metaclass=NoPublicConstructor):
     _for_testing_stream_class: type[RequestStream] = RequestStream
     """Tests and benchmarks only: the stream class `submit` makes."""
 
-    def __init__(self, transport: GroupTransport, core: GroupCore[RequestStream]) -> None:
+    def __init__(
+        self,
+        transport: GroupTransport,
+        core: GroupCore[RequestStream],
+        max_buffered: int | None = None,
+    ) -> None:
         self._transport = transport
         self._core = core
+        self._max_buffered = max_buffered
         self.lockstep = core.lockstep
         self.size = core.size
         # trio-util is untyped: these are AsyncValues, shown to users as WatchedValues
@@ -276,6 +300,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
         stall_timeout: float = 5.0,
         advertise_host: str | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_buffered: int | None = None,
+        curve: ClientKeys | None = None,
+        insecure: bool = False,
     ) -> AsyncIterator[EngineGroup]:
         """Bind the group URL, wait for all `engines` ranks, and serve them.
 
@@ -283,6 +310,14 @@ class EngineGroup(metaclass=NoPublicConstructor):
         client sends RESYNC to every rank it is waiting for (docs/protocol.md §2.5).
         `max_message_size` bounds what the client receives and is announced in INIT;
         each engine announces its own in HELLO, and `submit` refuses larger ADDs.
+        `max_buffered` bounds each stream's unread outputs: a request whose consumer
+        falls that far behind is aborted on its rank and its stream raises
+        `StreamOverflow` after those outputs (None: unbounded).
+
+        `curve` (`zmqdp.keys.load_client_keys(DIR)`) makes the client a CURVE server
+        that admits only engines whose key is on its allow-list, each as the one rank its
+        key is bound to. A tcp URL that other machines can reach is refused without it,
+        unless `insecure=True` (a trusted network).
 
         Raises `HandshakeTimeout` if the group is not ready in `ready_timeout` s.
         Leaving the block sends ABORT for every live request, then closes every socket;
@@ -302,6 +337,8 @@ class EngineGroup(metaclass=NoPublicConstructor):
             max_message_size=max_message_size,
             send_timeout=send_timeout,
             listener=listener,
+            curve=curve,
+            insecure=insecure,
         ) as transport:
             core: GroupCore[RequestStream] = GroupCore(
                 engines,
@@ -310,7 +347,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
                 stall_timeout=stall_timeout,
                 wave=transport.state.hello_wave(),
             )
-            group = cls._create(transport, core)
+            group = cls._create(transport, core, max_buffered)
             for rank in range(engines):
                 group._on_rank_up(rank)
             listener.group = group
@@ -353,7 +390,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
         int, a body with no CBOR form, or an ADD larger than the engine accepts), each
         before anything is sent or reserved.
         """
-        stream = self._for_testing_stream_class._create(request.id, self._close_stream)
+        stream = self._for_testing_stream_class._create(
+            request.id, self._close_stream, self._max_buffered
+        )
         sub = self._core.submit(request.id, request.body, stream, request.rank, trio.current_time())
         stream.rank = sub.rank
         stream.wire_id = sub.wire_id
@@ -423,6 +462,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
                     load=core.routing.load(r),
                     batches=core.health[r].batches,
                     protocol_errors=core.health[r].protocol_errors,
+                    queued=t.queued[r],
                 )
                 for r in range(self.size)
             ),
@@ -435,6 +475,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             failed=c.failed,
             rolled_back=c.rolled_back,
             protocol_failed=c.protocol_failed,
+            overflowed=c.overflowed,
             protocol_errors=c.protocol_errors,
             malformed_entries=c.malformed_entries,
             stale_messages=c.stale_messages,
@@ -448,6 +489,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
             stale_registers=t.stale_registers,
             resyncs=t.resyncs,
             dropped_answers=t.dropped_answers,
+            identity_conflicts=t.identity_conflicts,
+            refused_connections=t.refused_connections,
+            impersonations=t.impersonations,
         )
 
     @property
@@ -483,43 +527,93 @@ class EngineGroup(metaclass=NoPublicConstructor):
             with trio.move_on_at(deadline) as timer:
                 messages = await zs.receive_batch(256)
             if timer.cancelled_caught:
-                self._on_timeout(trio.current_time())
-                continue
-            self._on_messages(messages, trio.current_time())
+                # Read what is queued before judging silence: if this task was held up
+                # past the deadline, the heartbeats that arrived meanwhile are waiting.
+                # If it woke late, libzmq's I/O thread may have been held up too: give
+                # it a moment to hand over what the kernel holds.
+                messages = zs.receive_nowait(256)
+                if not messages and trio.current_time() - deadline > _HELD_UP:
+                    with trio.move_on_after(_HELD_UP):
+                        messages = await zs.receive_batch(256)
+                if not messages:
+                    self._on_timeout(trio.current_time())
+                    continue
+            await self._on_messages(messages)
 
-    def _on_messages(self, messages: list[list[bytes]], now: float) -> None:
+    async def _on_messages(self, messages: list[list[bytes]]) -> None:
+        """Carry out what the core decides for each message. A long batch comes in
+        slices: between two, the streams fed so far are notified and this task
+        checkpoints, so consumers and the other tasks run (docs/design.md).
+
+        Cancellation: only at those checkpoints (the group is closing); what was
+        applied stays applied."""
         core = self._core
         dirty: set[RequestStream] = set()
         for frames in messages:
-            rank, result = core.on_message(frames, now)
+            rank, result = core.on_message(frames, trio.current_time())
             if rank is None:
                 log.warning("%s", result.error)
                 continue
-            fx = result.effects
-            if fx is not None:
-                for stream, out in fx.deliveries:
-                    stream.deliver(out)
-                    dirty.add(stream)
-                for ended in fx.ended:
-                    ended.handle.finish(ended.outcome, core.ending_error(ended))
-            if result.wake is not None:
-                self._wake_all(result.wake)
-            for reply in result.replies:
-                if reply.error is not None:
-                    self._calls.fail(reply.call, rank, reply.error)
-                else:
-                    self._calls.settle(reply.call, rank, reply.result)
-            for call_id, cause in result.bad_replies:
-                self._calls.fail(call_id, rank, cause)
-            if result.error is not None:
-                log.warning("%s", result.error)
-            if result.dead is not None:
-                self._rank_dead(rank, result.dead)
+            self._carry_out_batch(rank, result, dirty)
+            while result.rest is not None:
+                for stream in dirty:
+                    stream.notify()
+                dirty.clear()
+                await trio.lowlevel.checkpoint()
+                result = core.continue_batch(result.rest, trio.current_time())
+                self._carry_out_batch(rank, result, dirty)
         for stream in dirty:
             stream.notify()
         clock = core.clock
         if clock is not None and clock.wave != self._wave.value:
             self._wave.value = clock.wave
+
+    def _carry_out_batch(
+        self, rank: int, result: BatchResult[RequestStream], dirty: set[RequestStream]
+    ) -> None:
+        core = self._core
+        fx = result.effects
+        if fx is not None:
+            for stream, out in fx.deliveries:
+                if stream.deliver(out):
+                    dirty.add(stream)
+                else:
+                    self._overflow(stream)
+            for ended in fx.ended:
+                ended.handle.finish(ended.outcome, core.ending_error(ended))
+        if result.wake is not None:
+            self._wake_all(result.wake)
+        for reply in result.replies:
+            if reply.error is not None:
+                self._calls.fail(reply.call, rank, reply.error)
+            else:
+                self._calls.settle(reply.call, rank, reply.result)
+        for call_id, cause in result.bad_replies:
+            self._calls.fail(call_id, rank, cause)
+        if result.error is not None:
+            log.warning("%s", result.error)
+        if result.dead is not None:
+            self._rank_dead(rank, result.dead)
+
+    def _overflow(self, stream: RequestStream) -> None:
+        """A stream's buffer is at `max_buffered`: its consumer does not keep up. The
+        request is aborted on its rank and the stream fails with `StreamOverflow`
+        after the outputs it holds."""
+        if stream.outcome is not None:
+            return
+        ended = self._core.abort(stream.request_id, stream, outcome=Outcome.OVERFLOWED)
+        if ended is not None:
+            self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
+        log.warning(
+            "rank %d, request %s: the consumer did not keep up (max_buffered=%s); aborted",
+            stream.rank,
+            quote(stream.request_id),
+            self._max_buffered,
+        )
+        stream.finish(
+            Outcome.OVERFLOWED,
+            StreamOverflow(stream.rank, stream.request_id, self._max_buffered or 0),
+        )
 
     def _on_timeout(self, now: float) -> None:
         dead, wake = self._core.on_timeout(now)
@@ -574,6 +668,8 @@ class EngineGroup(metaclass=NoPublicConstructor):
         """Do what `GroupCore.rank_down` or `close` decided, in its order."""
         for ended, error in failure.ended:
             ended.handle.finish(ended.outcome, error)
+        if failure.rank is not None:
+            self._transport.drop_queued(failure.rank)  # for an incarnation that is gone
         for rank, frames in failure.aborts:
             self._transport.send(rank, frames)
         if failure.forget is not None:

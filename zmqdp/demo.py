@@ -10,8 +10,10 @@ failed exactly as the injected fault predicts.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -22,6 +24,7 @@ from typing import Any
 import trio
 
 from . import EngineDead, EngineGroup, GroupClosed, HandshakeTimeout, Request, ZmqdpError
+from .keys import ClientKeys, generate_keys, load_client_keys
 from .mock import mock_process
 
 FAULTS = ("dead", "silent", "garbage", "rejoin", "bad_hello")
@@ -64,6 +67,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--fault-after", type=int, default=40, help="outputs before the fault")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="run over tcp on loopback with CURVE keys made for the demo (python -m zmqdp keys)",
+    )
     return parser
 
 
@@ -127,22 +135,34 @@ async def _workload(group: EngineGroup, args: argparse.Namespace, run: Run, prog
 async def run_demo(args: argparse.Namespace, console: Any = None) -> Run:
     directory = tempfile.mkdtemp(prefix="zmqdp-demo-")  # mode 0700
     url = f"ipc://{directory}/group"
+    mock_args = _mock_args(args)
+    curve = None
     run = Run()
     try:
-        async with mock_process(url, args.engines, *_mock_args(args)):
-            await _run_against(url, args, run, console)
+        if args.curve:  # the engines' keys and the client's allow-list, made for the demo
+            keys = os.path.join(directory, "keys")
+            generate_keys(keys, args.engines)
+            curve = load_client_keys(keys)
+            mock_args += ["--keys", keys]
+            with socket.socket() as probe:  # a free port: engines must know it in advance
+                probe.bind(("127.0.0.1", 0))
+                url = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        async with mock_process(url, args.engines, *mock_args):
+            await _run_against(url, args, run, console, curve)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return run
 
 
-async def _run_against(url: str, args: argparse.Namespace, run: Run, console: Any) -> None:
+async def _run_against(
+    url: str, args: argparse.Namespace, run: Run, console: Any, curve: ClientKeys | None = None
+) -> None:
     """Connect to the mock group at `url`, run the workload, record it in `run`."""
     silence = 2.0 if args.fault == "silent" else 30.0
     ready = 5.0 if args.fault == "bad_hello" else 60.0
     try:
         async with EngineGroup.connect(
-            url, args.engines, ready_timeout=ready, silence_timeout=silence
+            url, args.engines, ready_timeout=ready, silence_timeout=silence, curve=curve
         ) as group:
             run.started = trio.current_time()
             if console is not None and not args.no_progress:
@@ -219,6 +239,7 @@ def report(args: argparse.Namespace, run: Run, console: Any) -> bool:
     summary.add_row(
         "group",
         f"{args.engines} engines, {'lockstep' if args.lockstep else 'independent'}"
+        + (", tcp + CURVE" if args.curve else ", ipc")
         + (f", fault {args.fault} on rank {args.fault_rank}" if args.fault else "")
         + (
             f", rank {args.slow_rank} x{args.slow_factor:g} slower"

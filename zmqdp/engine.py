@@ -56,6 +56,12 @@ message only: the client then applies them after the entries they sum up, and a 
 after everything else. The pieces are queued as one item, so `send()` stays
 all-or-nothing; an entry too large for a message on its own raises `ProtocolError`.
 
+CURVE (`curve=load_engine_keys(DIR, rank)`): every socket is a CURVE client of the
+client's public key, with this rank's key pair. A client that does not allow the key
+closes the connection during the ZeroMQ handshake, and libzmq never retries it; a
+monitor on the handshake socket sees that and ends the block with `HandshakeRejected`
+instead of a timeout.
+
 A REJECT ends the block with `HandshakeRejected` and the client's reason; an INIT with
 another version or size, or with an address this engine cannot connect to, ends it with
 `ProtocolError`; no INIT in `handshake_timeout` ends it with `HandshakeTimeout`. For the
@@ -70,10 +76,11 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from ._addresses import is_ipv6
 from ._core import cbor
@@ -168,8 +175,10 @@ class Engine(metaclass=NoPublicConstructor):
         wave: int | None,
         handshake_timeout: float,
         max_message_size: int,
+        curve: CurveClient | None = None,
     ) -> None:
         self.url = url
+        self._curve = curve
         self.rank = rank
         self.size = size
         self.lockstep = lockstep
@@ -182,6 +191,9 @@ class Engine(metaclass=NoPublicConstructor):
         self._max_message_size = max_message_size
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._handshake = self._dealer(url)
+        self._monitor: ZSocket | None = None
+        if curve is not None:  # before connecting, so that no refusal goes unseen
+            self._monitor = ZSocket(self._handshake.sock.get_monitor_socket(_HANDSHAKE_EVENTS))
         self._handshake.sock.connect(url)
         self._input: ZSocket | None = None
         self._output: ZSocket | None = None
@@ -209,6 +221,10 @@ class Engine(metaclass=NoPublicConstructor):
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
         if is_ipv6(address):
             sock.setsockopt(zmq.IPV6, 1)
+        if self._curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret)
         return ZSocket(sock)
 
     @property
@@ -315,6 +331,8 @@ class Engine(metaclass=NoPublicConstructor):
         with single_exception():  # no user code in here: plain errors for connect_engine
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._serve_output, name=f"zmqdp-engine{self.rank}-output")
+                if self._monitor is not None:
+                    nursery.start_soon(self._watch_auth, name=f"zmqdp-engine{self.rank}-auth")
                 await self._say_hello()
                 task_status.started()
                 while True:
@@ -500,7 +518,39 @@ class Engine(metaclass=NoPublicConstructor):
             except trio.ClosedResourceError:  # a RESYNC closed it: the rest is stale
                 self._stale += 1
 
+    async def _watch_auth(self) -> None:
+        """CURVE: raise `HandshakeRejected` once the client refuses this engine's key
+        (libzmq would leave the socket disconnected for good, and the HELLO unanswered),
+        or after `_CURVE_FAILURES` failed ZeroMQ handshakes in a row (a wrong client
+        public key, or a client without CURVE: libzmq would retry forever)."""
+        assert self._monitor is not None and self._curve is not None
+        failures = 0
+        while True:
+            for frames in await self._monitor.receive_batch():
+                event = parse_monitor_message(frames)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    failures = 0
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    raise HandshakeRejected(
+                        self.rank,
+                        f"the client at {self.url} refused this engine's CURVE key: is the "
+                        f"public key {self._curve.public.decode()} on its allow-list as rank "
+                        f"{self.rank}?",
+                    )
+                else:
+                    failures += 1
+                    if failures >= _CURVE_FAILURES:
+                        raise HandshakeRejected(
+                            self.rank,
+                            f"the CURVE handshake with the client at {self.url} failed "
+                            f"{failures} times in a row: is {self._curve.server.decode()} the "
+                            "client's public key, and does the client use CURVE?",
+                        )
+
     def close(self) -> None:
+        if self._monitor is not None:
+            self._handshake.sock.disable_monitor()
+            self._monitor.close()
         for zs in (self._handshake, self._input, self._output):
             if zs is not None:
                 zs.close()
@@ -632,6 +682,31 @@ def _split(batch: OutputBatch, limit: int) -> list[bytes]:
 # -- connecting -----------------------------------------------------------------------
 
 
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_CURVE_FAILURES = 5
+"""Failed ZeroMQ handshakes in a row after which a CURVE engine gives up (libzmq retries
+every ~0.15 s)."""
+
+
+class CurveClient(Protocol):
+    """An engine's CURVE keys (`zmqdp.keys.EngineKeys`): its key pair and the client's
+    public key."""
+
+    @property
+    def public(self) -> bytes: ...
+
+    @property
+    def secret(self) -> bytes: ...
+
+    @property
+    def server(self) -> bytes: ...
+
+
 @asynccontextmanager
 async def connect_engine(
     url: str,
@@ -643,10 +718,13 @@ async def connect_engine(
     wave: int | None = None,
     handshake_timeout: float = 60.0,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    curve: CurveClient | None = None,
 ) -> AsyncIterator[Engine]:
     """Connect to the client at group URL `url` as rank `rank` of `size` and handshake.
     `max_message_size` is the largest message this engine accepts (its MAXMSGSIZE,
     announced in HELLO). The block serves incarnation after incarnation until it ends.
+    `curve` (`zmqdp.keys.load_engine_keys(DIR, rank)`) connects with this rank's CURVE
+    key pair to a client that uses CURVE; a refused key raises `HandshakeRejected`.
 
     Raises `HandshakeRejected` (the client's reason), `HandshakeTimeout` (no answer in
     `handshake_timeout` s) or `ProtocolError` (an INIT this engine cannot follow), from
@@ -664,7 +742,7 @@ async def connect_engine(
     if max_message_size <= 0:
         raise ValueError(f"max_message_size must be positive, got {max_message_size}")
     engine = Engine._create(
-        url, rank, size, lockstep, info or {}, wave, handshake_timeout, max_message_size
+        url, rank, size, lockstep, info or {}, wave, handshake_timeout, max_message_size, curve
     )
     try:
         async with open_service_nursery() as nursery:

@@ -6,8 +6,10 @@ Run it as `python -m zmqdp mock --url URL --engines N [--lockstep] ...`, or embe
 Theory of operation
 -------------------
 Each rank streams tokens: an ADD body ``{"prompt": [int, ...], "max_tokens": k}`` queues
-a request; each step every running request emits one token and the last one has finish
-``"length"``. At most `max_num_seqs` requests run at once; the rest wait. Every batch
+a request; each step every running request emits one token (``{"token": 1000 + n}``, n
+from 1) and the last one has finish ``"length"``. A ``"tag"`` in the body is echoed in
+every output, so a test can check that no output reaches another request. At most
+`max_num_seqs` requests run at once; the rest wait. Every batch
 carries `load` (waiting, running, kv) and `seq`. Step time is per rank, so speeds can
 differ, and a rank holding requests sends a batch at least once a second.
 
@@ -64,6 +66,7 @@ from .engine import (
     Wake,
     connect_engine,
 )
+from .keys import load_engine_keys
 
 __all__ = ["MockConfig", "RankFaults", "mock_process", "run_mock_group"]
 
@@ -94,6 +97,7 @@ class MockConfig:
     wave_agreement: bool = True
     skew: float = 0.0  # rank r handles each inbound message r * skew seconds late
     faults: dict[int, RankFaults] = field(default_factory=dict)
+    keys: str | None = None  # a `zmqdp.keys` directory: connect with CURVE
 
 
 @dataclass
@@ -102,6 +106,7 @@ class _Seq:
     left: int
     tokens: int
     prompt: int
+    tag: Any = None
 
 
 class _Collective:
@@ -145,6 +150,7 @@ class MockRank:
         self.collective = collective
         self.step_time = cfg.step_time * self.faults.slow
         self.delay = rank * cfg.skew
+        self.curve = None if cfg.keys is None else load_engine_keys(cfg.keys, rank)
         self.delayed: deque[tuple[float, Any]] = deque()
         self.up = trio.Event()
         self.wave = 0
@@ -187,6 +193,7 @@ class MockRank:
                     lockstep=lockstep,
                     wave=self.wave,
                     info=self._info(),
+                    curve=self.curve,
                 ) as eng:
                     self.up.set()
                     rejoin = await self._serve(eng)
@@ -278,7 +285,13 @@ class MockRank:
             prompt = body.get("prompt", [])
             tokens = int(body.get("max_tokens", 16))
             self.queue.append(
-                _Seq(msg.id, tokens, 0, len(prompt) if isinstance(prompt, list) else 0)
+                _Seq(
+                    msg.id,
+                    tokens,
+                    0,
+                    len(prompt) if isinstance(prompt, list) else 0,
+                    body.get("tag"),
+                )
             )
             if self.collective is not None and not self.running:
                 self.pending_start = self.wave
@@ -358,7 +371,12 @@ class MockRank:
             s.left -= 1
             s.tokens += 1
             done = s.left <= 0
-            outputs.append(Output(s.id, {"token": 1000 + s.tokens}, "length" if done else None))
+            out = (
+                {"token": 1000 + s.tokens}
+                if s.tag is None
+                else {"token": 1000 + s.tokens, "tag": s.tag}
+            )
+            outputs.append(Output(s.id, out, "length" if done else None))
             if done:
                 self.active.remove(s)
         self.emitted += len(outputs)

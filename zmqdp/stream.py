@@ -24,6 +24,7 @@ and needs no shield.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
@@ -50,6 +51,7 @@ class RequestStream(metaclass=NoPublicConstructor):
         "_buffer",
         "_done",
         "_error",
+        "_limit",
         "_on_close",
         "_waiter",
         "outcome",
@@ -58,7 +60,12 @@ class RequestStream(metaclass=NoPublicConstructor):
         "wire_id",
     )
 
-    def __init__(self, request_id: str, on_close: Callable[[RequestStream], None]) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        on_close: Callable[[RequestStream], None],
+        max_buffered: int | None = None,
+    ) -> None:
         self.request_id = request_id
         """The application's id (`Request.id`)."""
         self.rank = -1
@@ -68,6 +75,7 @@ class RequestStream(metaclass=NoPublicConstructor):
         self.outcome: Outcome | None = None
         """How the request ended; None while it is live."""
         self._on_close = on_close
+        self._limit = sys.maxsize if max_buffered is None else max_buffered
         self._buffer: deque[Output] = deque()
         self._waiter: trio.Event | None = None
         self._done = False
@@ -75,9 +83,15 @@ class RequestStream(metaclass=NoPublicConstructor):
 
     # -- the dispatcher's side (package-internal; synchronous) ------------------------
 
-    def deliver(self, out: Output) -> None:
-        """Buffer one output (call `notify()` once the batch is delivered)."""
-        self._buffer.append(out)
+    def deliver(self, out: Output) -> bool:
+        """Buffer one output (call `notify()` once the batch is delivered). Returns False,
+        buffering nothing, if `max_buffered` outputs are already waiting: the caller
+        ends the request (`StreamOverflow`)."""
+        buffer = self._buffer
+        if len(buffer) >= self._limit:
+            return False
+        buffer.append(out)
+        return True
 
     def notify(self) -> None:
         """Wake the consumer if it is waiting."""

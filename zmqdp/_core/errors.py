@@ -23,6 +23,7 @@ __all__ = [
     "NoEngineAvailable",
     "ProtocolError",
     "RequestAborted",
+    "StreamOverflow",
     "StreamTruncated",
     "ZmqdpError",
     "quote",
@@ -223,4 +224,19 @@ class StreamTruncated(ZmqdpError):
         super().__init__(
             f"{_where(rank, request_id)}: the engine dropped the request without a "
             "terminal output (listed it in `finished`); the stream is incomplete"
+        )
+
+
+class StreamOverflow(ZmqdpError):
+    """The stream's consumer fell `max_buffered` outputs behind: the request was aborted
+    on its rank (its outputs would otherwise pile up in memory without bound). The
+    outputs buffered before that are still read first."""
+
+    def __init__(self, rank: int, request_id: str, limit: int):
+        self.rank = rank
+        self.request_id = request_id
+        self.limit = limit
+        super().__init__(
+            f"{_where(rank, request_id)}: the consumer did not keep up: {limit} outputs "
+            "were waiting to be read (max_buffered); the request was aborted on its rank"
         )

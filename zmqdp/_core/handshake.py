@@ -29,8 +29,12 @@ identity) so a timeout can name them.
 A HELLO from a rank that is already admitted is a **rejoin**, during the handshake or
 after it, whether the HELLO is admitted or rejected (§7): that rank's previous
 incarnation is dead. The caller is told (`HelloVerdict.rejoin`) so it can fail what the
-old incarnation held. Two live processes claiming one rank show up as repeated rejoins;
-`rejoins[rank]` counts them.
+old incarnation held. Two live processes claiming one rank show up as rejoins in quick
+succession (each HELLO takes the rank's connection from the other, ROUTER_HANDOVER, and
+the first is orphaned): a rejoin less than `conflict_window` seconds after the rank's
+previous HELLO is reported once per episode (`HelloVerdict.conflict`, counted in
+`identity_conflicts`); the episode ends after `conflict_window` seconds without one. An
+engine that crash-loops looks the same, and deserves the same loud report.
 
 RESYNC (§2.5). The client asks every rank it is waiting for (one that has not said
 HELLO: at start-up, and after the caller `forget`s a dead rank) to start over, about
@@ -102,6 +106,8 @@ class HelloVerdict:
     rank: int | None
     rejoin: bool = False
     """The rank had been admitted: its previous incarnation is dead."""
+    conflict: float | None = None
+    """A new identity-conflict episode (report it): seconds since the previous HELLO."""
 
 
 class HandshakeState:
@@ -116,6 +122,7 @@ class HandshakeState:
         first_epoch: int = 1,
         max_message_size: int | None = None,
         resync_interval: float = 1.0,
+        conflict_window: float = 30.0,
     ) -> None:
         if size < 1:
             raise ValueError(f"a group needs at least one rank, got {size}")
@@ -131,41 +138,53 @@ class HandshakeState:
         """The most recent rejection reasons (bounded: a peer can send any number)."""
         self.rejections = 0
         self.rejoins = [0] * size
+        self.conflict_window = conflict_window
+        self.identity_conflicts = 0
+        self._last_hello = [-math.inf] * size
+        self._conflict_until = [-math.inf] * size
         self.ignored = 0
         self.stale_registers = 0
 
     # -- events -----------------------------------------------------------------------
 
-    def on_hello(self, identity: bytes, hello: Hello | ProtocolError) -> HelloVerdict:
+    def on_hello(
+        self, identity: bytes, hello: Hello | ProtocolError, now: float = 0.0
+    ) -> HelloVerdict:
         """A HELLO (or a handshake message that failed to decode) from `identity`."""
         who = f"identity {identity.hex() or '(empty)'}"
         rank = identity_rank(identity)
         if isinstance(hello, ProtocolError):
             what = "HELLO" if hello.message in (None, "hello") else quote(hello.message)
-            return self._reject(rank, f"{who}: invalid {what}: {hello.cause}")
+            return self._reject_at(now, rank, f"{who}: invalid {what}: {hello.cause}")
         if hello.version != PROTOCOL_VERSION:
-            return self._reject(
+            return self._reject_at(
+                now,
                 rank,
                 f"{who} (rank {hello.rank}): protocol version {hello.version} is not "
                 f"supported; this client speaks version {PROTOCOL_VERSION}",
             )
         if rank is None:
-            return self._reject(
-                None, f"{who}: the identity must be the rank as 2 little-endian bytes"
+            return self._reject_at(
+                now, None, f"{who}: the identity must be the rank as 2 little-endian bytes"
             )
         if hello.rank != rank:
-            return self._reject(
-                rank, f"{who}: HELLO says rank {hello.rank} but the identity is rank {rank}"
+            return self._reject_at(
+                now, rank, f"{who}: HELLO says rank {hello.rank} but the identity is rank {rank}"
             )
         if not 0 <= rank < self.size:
-            return self._reject(rank, f"rank {rank} is out of range for a group of {self.size}")
+            return self._reject_at(
+                now, rank, f"rank {rank} is out of range for a group of {self.size}"
+            )
         if hello.size != self.size:
-            return self._reject(
-                rank, f"rank {rank}: HELLO says size {hello.size}, the client expects {self.size}"
+            return self._reject_at(
+                now,
+                rank,
+                f"rank {rank}: HELLO says size {hello.size}, the client expects {self.size}",
             )
         if self.lockstep is not None and hello.lockstep != self.lockstep:
             mode = "lockstep" if self.lockstep else "independent"
-            return self._reject(
+            return self._reject_at(
+                now,
                 rank,
                 f"rank {rank}: HELLO says lockstep={hello.lockstep}, but the admitted ranks "
                 f"are {mode}",
@@ -173,8 +192,8 @@ class HandshakeState:
         if self.lockstep is None:
             self.lockstep = hello.lockstep
         rejoin = self._ranks[rank].phase is not RankPhase.MISSING
-        if rejoin:
-            self.rejoins[rank] += 1
+        conflict = self._rejoined(rank, now) if rejoin else None
+        self._last_hello[rank] = now
         epoch = self._next_epoch
         self._next_epoch += 1
         self._ranks[rank] = _Rank(
@@ -190,7 +209,21 @@ class HandshakeState:
             epoch=epoch,
             max_message_size=self.max_message_size,
         )
-        return HelloVerdict(init, rank, rejoin)
+        return HelloVerdict(init, rank, rejoin, conflict)
+
+    def _rejoined(self, rank: int, now: float) -> float | None:
+        """Count a rejoin; if it comes soon after the previous HELLO and no episode is
+        under way, a new identity-conflict episode begins: return the gap."""
+        self.rejoins[rank] += 1
+        gap = now - self._last_hello[rank]
+        if gap >= self.conflict_window:
+            return None
+        new = now >= self._conflict_until[rank]
+        self._conflict_until[rank] = now + self.conflict_window
+        if not new:
+            return None
+        self.identity_conflicts += 1
+        return gap
 
     def on_invalid(self, identity: bytes, error: ProtocolError) -> Reject:
         """A handshake message that claims no type at all: refused, no rank touched."""
@@ -300,14 +333,16 @@ class HandshakeState:
             return None
         return self._ranks[rank]
 
-    def _reject(self, rank: int | None, reason: str) -> HelloVerdict:
+    def _reject_at(self, now: float, rank: int | None, reason: str) -> HelloVerdict:
         """Refuse a HELLO. If its identity names a rank that had been admitted, that
         rank's previous incarnation is dead (its identity now belongs to this peer)."""
         self._rejected(reason)
         rejoin = False
+        conflict = None
         if rank is not None and 0 <= rank < self.size:
             rejoin = self._ranks[rank].phase is not RankPhase.MISSING
             if rejoin:
-                self.rejoins[rank] += 1
+                conflict = self._rejoined(rank, now)
+                self._last_hello[rank] = now
                 self._ranks[rank] = _Rank()
-        return HelloVerdict(Reject(reason), rank, rejoin)
+        return HelloVerdict(Reject(reason), rank, rejoin, conflict)

@@ -18,6 +18,7 @@ path            trigger                                                      out
 terminal        an output with a `finish` string, from the rank holding it   FINISHED
 finished        its wire id in a batch's `finished`, with no client abort    TRUNCATED
 abort           `abort()`: the user's abort, or the stream closed early      ABORTED
+overflow        its consumer fell `max_buffered` outputs behind (an abort)   OVERFLOWED
 rollback        the submit was refused after the reservation (size)          ROLLED_BACK
 entry error     a malformed output entry names its wire id (§7)            PROTOCOL_ERROR
 rank death      `rank_down()`: the rank died, rejoined or was declared dead  FAILED
@@ -65,6 +66,7 @@ class Outcome(enum.Enum):
     ABORTED = "aborted"
     ROLLED_BACK = "rolled back"
     PROTOCOL_ERROR = "protocol error"
+    OVERFLOWED = "overflowed"
     FAILED = "failed"
 
 

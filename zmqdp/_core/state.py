@@ -56,7 +56,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from .codec import decode_batch, encode_request
+from .codec import BatchDecoder, EntryCursor, decode_batch_sliced, encode_request
 from .errors import (
     EngineDead,
     GroupClosed,
@@ -67,7 +67,7 @@ from .errors import (
     quote,
 )
 from .handshake import identity_rank
-from .messages import Abort, Add, BadEntry, OutputBatch, Reply
+from .messages import Abort, Add, BadEntry, Output, OutputBatch, Reply
 from .requests import BatchEffects, Ended, Outcome, RequestBook
 from .routing import Routing
 from .waves import WaveClock
@@ -75,6 +75,7 @@ from .waves import WaveClock
 __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
     "MAX_ID_LENGTH",
+    "BatchRest",
     "BatchResult",
     "GroupCore",
     "RankHealth",
@@ -114,9 +115,29 @@ class Submitted(NamedTuple):
     frames: tuple[bytes, bytes]
 
 
+@dataclass(slots=True, eq=False)
+class BatchRest:
+    """The part of a long batch still to do (`GroupCore.continue_batch`): the body is
+    still being decoded (`decoder`), or its entries are still to be applied (`cursor`).
+    Opaque to the trio layer."""
+
+    rank: int
+    health: RankHealth
+    """The incarnation the batch came from: if it is not current any more when the
+    batch continues, the rest is dropped."""
+    decoder: BatchDecoder | None = None
+    cursor: EntryCursor | None = None
+    dead: str | None = None
+    """The batch's `dead`, applied after its last entry."""
+    unknown: int = 0
+    """Entries so far naming a wire id never issued to that rank."""
+    known: int = 0
+    """Entries so far naming a wire id issued to that rank (live or late)."""
+
+
 @dataclass(slots=True)
 class BatchResult(Generic[H]):
-    """What one received message asks the trio layer to do."""
+    """What one received message (or one slice of a long one) asks the trio layer to do."""
 
     effects: BatchEffects[H] | None = None
     wake: int | None = None
@@ -128,6 +149,8 @@ class BatchResult(Generic[H]):
     """The rank is dead, for this reason: call `rank_dead`."""
     error: ProtocolError | None = None
     """What was wrong with the message, to log (counted already)."""
+    rest: BatchRest | None = None
+    """A long batch is not done: checkpoint, then `GroupCore.continue_batch(rest)`."""
 
 
 @dataclass(slots=True)
@@ -165,6 +188,7 @@ class GroupCounters:
     late_outputs: int = 0
     unknown_outputs: int = 0
     stall_wakes: int = 0
+    overflowed: int = 0
     by_outcome: dict[Outcome, str] = field(
         default_factory=lambda: {
             Outcome.FINISHED: "finished",
@@ -173,6 +197,7 @@ class GroupCounters:
             Outcome.ROLLED_BACK: "rolled_back",
             Outcome.PROTOCOL_ERROR: "protocol_failed",
             Outcome.FAILED: "failed",
+            Outcome.OVERFLOWED: "overflowed",
         }
     )
 
@@ -222,6 +247,13 @@ class GroupCore(Generic[H]):
 
     routing_cls: type[Routing] = Routing
     book_cls: type[RequestBook[Any]] = RequestBook
+    slice_entries = 4096
+    """Entries of a batch applied between two checkpoints of the dispatcher."""
+    incremental_bytes = 512 * 1024
+    """Bodies at least this large are decoded in steps (`BatchDecoder`)."""
+    stray_limit = 1024
+    """A batch with more entries than this naming wire ids never issued to its rank,
+    and more such entries than others, is a connection error (§7)."""
 
     def __init__(
         self,
@@ -409,10 +441,12 @@ class GroupCore(Generic[H]):
         """§1: the engine accepts a message this large."""
         return len(frames[0]) + len(frames[1]) <= self.health[rank].max_message_size
 
-    def abort(self, request_id: str, handle: H | None = None) -> Ended[H] | None:
+    def abort(
+        self, request_id: str, handle: H | None = None, *, outcome: Outcome = Outcome.ABORTED
+    ) -> Ended[H] | None:
         """End a request from the client side; send ABORT of `Ended.wire_id` to
         `Ended.rank`."""
-        ended = self.book.abort(request_id, handle)
+        ended = self.book.abort(request_id, handle, outcome=outcome)
         if ended is not None:
             self.counters.count((ended,))
         return ended
@@ -447,35 +481,81 @@ class GroupCore(Generic[H]):
         return rank, self.on_batch(rank, frames[1], now)
 
     def on_batch(self, rank: int, body: bytes, now: float) -> BatchResult[H]:
-        """One output batch body from identity `rank` (already checked to be in range)."""
+        """One output batch body from identity `rank` (already checked to be in range).
+        A long one comes back with `rest` set: see `continue_batch`."""
         health = self.health[rank]
         if not self.is_up(rank):
             self.counters.stale_messages += 1
             return BatchResult()
+        if len(body) >= self.incremental_bytes:
+            try:
+                decoder = BatchDecoder(body)
+            except ProtocolError as exc:
+                return self._connection_error(rank, exc)
+            return self.continue_batch(BatchRest(rank, health, decoder=decoder), now)
         try:
-            batch = self._decode(body)
-            if batch.rank != rank:
-                raise ProtocolError(
-                    f"batch says rank {batch.rank} but was sent by identity rank {rank}"
-                )
+            batch, cursor = self._decode(body)
         except ProtocolError as exc:
             return self._connection_error(rank, exc)
+        return self._decoded(rank, health, batch, cursor, now)
+
+    def continue_batch(self, rest: BatchRest, now: float) -> BatchResult[H]:
+        """The next step of a long batch: decode more of it, or apply its next
+        `slice_entries` entries (malformed ones first, as for a whole batch). If the
+        rank's incarnation ended meanwhile, the rest is dropped (counted as stale)."""
+        rank = rest.rank
+        health = rest.health
+        if not self.is_up(rank) or self.health[rank] is not health:
+            self.counters.stale_messages += 1
+            return BatchResult()
+        if rest.decoder is not None:
+            try:
+                if not rest.decoder.step():
+                    return BatchResult(rest=rest)
+                batch, cursor = rest.decoder.result(self.slice_entries)
+            except ProtocolError as exc:
+                return self._connection_error(rank, exc)
+            return self._decoded(rank, health, batch, cursor, now)
+        assert rest.cursor is not None
+        outputs, finished, replies, bad = rest.cursor.next_slice(self.slice_entries)
+        health.last_heard = now
+        result: BatchResult[H] = BatchResult(replies=replies)
+        fx: BatchEffects[H] | None = None
+        if bad:
+            fx, result.bad_replies = self._bad_entries(rank, bad)
+        return self._entries(rank, health, outputs, finished, fx, result, rest, now)
+
+    def _decode(self, body: bytes) -> tuple[OutputBatch, EntryCursor | None]:
+        """Raises `ProtocolError` only for a connection error (§7)."""
+        return decode_batch_sliced(body, self.slice_entries)
+
+    def _decoded(
+        self,
+        rank: int,
+        health: RankHealth,
+        batch: OutputBatch,
+        cursor: EntryCursor | None,
+        now: float,
+    ) -> BatchResult[H]:
+        if batch.rank != rank:
+            return self._connection_error(
+                rank,
+                ProtocolError(f"batch says rank {batch.rank} but was sent by identity rank {rank}"),
+            )
         if self._is_stale(health, batch):
             self.counters.stale_messages += 1
             return BatchResult()
-        return self._apply(rank, health, batch, now)
-
-    def _decode(self, body: bytes) -> OutputBatch:
-        """Raises `ProtocolError` only for a connection error (§7)."""
-        return decode_batch(body)
+        rest = BatchRest(rank, health, cursor=cursor, dead=batch.dead)
+        return self._apply(rank, health, batch, rest, now)
 
     def _is_stale(self, health: RankHealth, batch: OutputBatch) -> bool:
         """§2.3: a batch of another incarnation (a body without an epoch is current)."""
         return batch.epoch is not None and batch.epoch != health.epoch
 
     def _apply(
-        self, rank: int, health: RankHealth, batch: OutputBatch, now: float
+        self, rank: int, health: RankHealth, batch: OutputBatch, rest: BatchRest, now: float
     ) -> BatchResult[H]:
+        """Apply a batch (its first slice, if long): steps 5-9 of the module docstring."""
         health.last_heard = now
         health.batches += 1
         result: BatchResult[H] = BatchResult(replies=batch.replies)
@@ -490,18 +570,45 @@ class GroupCore(Generic[H]):
                 clock.wave_complete(batch.wave_complete)
             if batch.start_wave is not None:
                 result.wake = clock.start_wave(batch.start_wave)
-        if batch.outputs or batch.finished:
-            fx = self.book.apply_batch(rank, batch.outputs, batch.finished, fx)
+        return self._entries(rank, health, batch.outputs, batch.finished, fx, result, rest, now)
+
+    def _entries(
+        self,
+        rank: int,
+        health: RankHealth,
+        outputs: tuple[Output, ...],
+        finished: tuple[str, ...],
+        fx: BatchEffects[H] | None,
+        result: BatchResult[H],
+        rest: BatchRest,
+        now: float,
+    ) -> BatchResult[H]:
+        """Route one slice's outputs and `finished` ids; then either more to do
+        (`result.rest`), or the batch's end: its `dead`, applied last."""
+        if outputs or finished:
+            fx = self.book.apply_batch(rank, outputs, finished, fx)
             self.counters.late_outputs += fx.late
             self.counters.unknown_outputs += fx.unknown
+            rest.unknown += fx.unknown
+            rest.known += len(outputs) + len(finished) - fx.unknown
         if fx is not None:
             if fx.deliveries or fx.ended:
                 health.last_output = now
                 health.stall_woken_at = None
             self.counters.count(fx.ended)
             result.effects = fx
-        if batch.dead is not None:
-            result.dead = f"announced dead: {quote(batch.dead)}"
+        if rest.unknown > self.stray_limit and rest.unknown > rest.known:
+            strays = ProtocolError(
+                f"{rest.unknown} entries name wire ids this client never issued to this "
+                f"rank, against {rest.known} that it did: a batch of mostly strays"
+            )
+            stop = self._connection_error(rank, strays)
+            result.error, result.dead = stop.error, stop.dead
+            return result
+        if rest.cursor is not None and rest.cursor.remaining():
+            result.rest = rest
+        elif rest.dead is not None:
+            result.dead = f"announced dead: {quote(rest.dead)}"
         return result
 
     def _bad_entries(

@@ -1,0 +1,221 @@
+"""Hostile peers and bounded resources, end to end: each test stands for one failure a
+hostile engine or a careless gateway caused on an earlier main, and asserts what that
+main got wrong.
+
+Nobody blocks anybody: a rank that stops reading delays only itself, and the input task
+does not spin meanwhile; a dispatcher held up by its own work reads what is queued
+before it judges a rank silent; a long batch is applied in slices, with the consumers
+running in between. Memory is bounded by configuration: one drain holds a bounded
+number of bytes, a batch of mostly strays is a connection error, and a stream nobody
+reads stops at `max_buffered`. Two processes claiming one rank are reported.
+
+Where real time must pass (a send timeout must fire, a silence timeout must not), the
+test waits for the event that would show the outcome, bounded by `move_on_after`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import pytest
+import trio
+import trio.testing
+import zmq
+
+from zmqdp import (
+    EngineDead,
+    EngineGroup,
+    Output,
+    RankState,
+    Request,
+    RequestStream,
+    StreamOverflow,
+)
+from zmqdp._zmq import ZSocket
+from zmqdp.engine import Abort
+
+from .engines import ScriptedEngine, start_engines
+from .helpers import RawEngine, collect, group_in_background, group_of, raw, wait_until
+
+# -- nobody blocks anybody ------------------------------------------------------------
+
+
+async def test_a_rank_that_stops_reading_delays_only_itself(ctx: Any, tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/g"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ScriptedEngine(url, 0, 2).run)
+        async with group_in_background(url, 2, send_timeout=1.0) as box:
+            stuck = RawEngine(ctx, url, 1, 2, options={zmq.RCVHWM: 1, zmq.RCVBUF: 4096})
+            await stuck.handshake()  # then never reads its input again
+            group = await box.wait()
+            streams: list[RequestStream] = []
+            while group.statistics().ranks[1].queued == 0:  # until rank 1's pipe is full
+                for _ in range(32):
+                    streams.append(group.submit(Request(f"s{len(streams)}", "x" * 1000, 1)))
+                await trio.testing.wait_all_tasks_blocked()  # the input task sent what it could
+            waits = group._transport.input.statistics().waits
+
+            assert await collect(group, Request("fast", "hello", 0)) == [
+                Output("fast", "hello", "stop")
+            ]
+            # served while rank 1 was still blocked: no head-of-line blocking
+            assert group.rank_state(1).value is RankState.UP
+            assert group.statistics().ranks[1].queued > 0
+
+            await group.rank_state(1).wait_value(RankState.DOWN)  # the send timeout
+            # a backing-off retry timer, not a busy loop (which woke ~10^5 times a second)
+            assert group._transport.input.statistics().waits - waits < 400
+            with pytest.raises(EngineDead, match="send timeout"):
+                await streams[-1].receive()
+            assert group.statistics().ranks[1].queued == 0  # dropped with the rank
+            stuck.close()
+        nursery.cancel_scope.cancel()
+
+
+class HoldsUpTheDispatcher(RequestStream):
+    """A stream whose `deliver` blocks the dispatcher once, as a long batch would."""
+
+    hold = 0.0
+
+    def deliver(self, out: Output) -> bool:
+        time.sleep(type(self).hold)  # deliberately blocks: that is the hold-up under test
+        type(self).hold = 0.0
+        return super().deliver(out)
+
+
+async def test_queued_heartbeats_are_read_before_silence_is_judged(
+    ctx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"ipc://{tmp_path}/g"
+    monkeypatch.setattr(EngineGroup, "_for_testing_stream_class", HoldsUpTheDispatcher)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ScriptedEngine(url, 1, 2).run)
+        async with group_in_background(url, 2, silence_timeout=0.3) as box:
+            beating = RawEngine(ctx, url, 0, 2)
+            init = await beating.handshake()
+            group = await box.wait()
+            held = group.submit(Request("held", None, 0))
+            await beating.request()  # rank 0 holds work: its silence clock runs
+            assert beating.out is not None
+            out, stop = beating.out.sock, threading.Event()
+            heartbeat = cbor2.dumps({"rank": 0, "epoch": init.epoch, "load": {"running": 1}})
+
+            def beat() -> None:  # an engine's scheduler loop, in a thread of its own
+                while not stop.wait(0.02):
+                    out.send(heartbeat)
+
+            thread = threading.Thread(target=beat)
+            thread.start()
+            try:
+                HoldsUpTheDispatcher.hold = 1.0  # > 3 silence timeouts, heartbeats queue up
+                assert await collect(group, Request("slow", "x", 1)) == [
+                    Output("slow", "x", "stop")
+                ]
+                with trio.move_on_after(1.0):
+                    await group.rank_state(0).wait_value(RankState.DOWN)
+                assert group.rank_state(0).value is RankState.UP
+                assert held.outcome is None
+            finally:
+                stop.set()
+                thread.join()
+            beating.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_drain_holds_a_bounded_number_of_bytes(ctx: Any) -> None:
+    pull = ZSocket(ctx.socket(zmq.PULL), max_bytes=2 << 20)
+    pull.sock.bind("inproc://drain")
+    push = raw(ctx, zmq.PUSH)
+    push.sock.connect("inproc://drain")
+    for _ in range(10):
+        push.send_nowait([b"x" * (1 << 20)])
+    await wait_until(lambda: pull.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    assert len(await pull.receive_batch(256)) == 2  # 2 MiB, not 256 messages
+    assert len(pull.receive_nowait(256)) == 2
+    pull.close()
+    push.close()
+
+
+@pytest.mark.parametrize("n", [10_000, 100_000], ids=["sliced", "decoded-in-steps"])
+async def test_a_long_batch_is_applied_in_slices_with_consumers_running_between(
+    ctx: Any, tmp_path: Path, n: int
+) -> None:
+    url = f"ipc://{tmp_path}/g"
+    async with group_in_background(url, 1) as box:
+        engine = RawEngine(ctx, url, 0, 1)
+        init = await engine.handshake()
+        group = await box.wait()
+        async with group.submit(Request("long", None)) as stream:
+            add = await engine.request()
+            outputs = [{"id": add.id, "body": i, "finish": None} for i in range(n - 1)]
+            outputs.append({"id": add.id, "body": n - 1, "finish": "length"})
+            await engine.send_batch({"epoch": init.epoch, "outputs": outputs})
+            first = await stream.receive_batch()
+            assert 0 < len(first) < n  # the consumer ran before the batch was done
+            got = first + [out async for out in stream]
+            assert [o.body for o in got] == list(range(n))
+        assert group.statistics().finished == 1
+        engine.close()
+
+
+async def test_a_batch_of_mostly_strays_is_a_connection_error(ctx: Any, tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/g"
+    async with group_in_background(url, 1) as box:
+        engine = RawEngine(ctx, url, 0, 1)
+        init = await engine.handshake()
+        group = await box.wait()
+        stream = group.submit(Request("live", None))
+        add = await engine.request()
+        strays = [{"id": f"zz#{i}", "body": i} for i in range(5000)]
+        outputs = [{"id": add.id, "body": "real"}, *strays]
+        await engine.send_batch({"epoch": init.epoch, "outputs": outputs})
+        assert await stream.receive() == Output("live", "real")
+        with pytest.raises(EngineDead, match="mostly strays"):
+            await stream.receive()
+        # the rest of that batch was never applied
+        assert group.statistics().unknown_outputs < len(strays)
+        engine.close()
+
+
+# -- memory is bounded by configuration -------------------------------------------------
+
+
+async def test_a_stream_nobody_reads_stops_at_max_buffered(tmp_path: Path) -> None:
+    async with (
+        group_of(tmp_path, 1, max_buffered=8) as (group, [engine]),
+        group.submit(Request("flood", {"tokens": 50})) as stream,
+    ):
+        await wait_until(lambda: group.statistics().overflowed == 1)
+        assert group.statistics().ranks[0].inflight == 0  # its slot is free
+        await engine.wait_for(
+            lambda: any(isinstance(m, Abort) and stream.wire_id in m.ids for m in engine.inbox)
+        )
+        got = [await stream.receive() for _ in range(8)]
+        assert [o.body for o in got] == list(range(8))
+        with pytest.raises(StreamOverflow, match="max_buffered"):
+            await stream.receive()
+
+
+# -- two processes claiming one rank ----------------------------------------------------
+
+
+async def test_two_processes_claiming_one_rank_are_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"ipc://{tmp_path}/g"
+    caplog.set_level(logging.ERROR, logger="zmqdp")
+    async with trio.open_nursery() as nursery:
+        await start_engines(nursery, url, 2)
+        async with EngineGroup.connect(url, 2, ready_timeout=10) as group:
+            for _ in range(2):  # a second, then a third process says it is rank 1
+                await nursery.start(ScriptedEngine(url, 1, 2).run)
+                await group.rank_state(1).wait_value(RankState.UP)
+            assert group.statistics().identity_conflicts == 1
+            reports = [r for r in caplog.records if "claiming rank 1" in r.getMessage()]
+            assert len(reports) == 1 and reports[0].levelno == logging.ERROR
+        nursery.cancel_scope.cancel()
