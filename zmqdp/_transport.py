@@ -146,6 +146,9 @@ class TransportStatistics:
     """Rejoins soon after the rank's previous HELLO (two processes claiming one rank)."""
     queued: tuple[int, ...]
     """Per rank: messages waiting for the input task (a blocked rank's grow)."""
+    input_rounds: int
+    """Times the input task woke up and looked for work: it grows with traffic, and by
+    a few dozen a second per rank whose pipe is full; a spinning task would show here."""
     refused_connections: int
     """CURVE: connections refused by the ZAP handler (a key not on the allow-list)."""
     impersonations: int
@@ -227,6 +230,7 @@ class GroupTransport:
         self._dropped_answers = 0
         self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
         self.outbox: Outbox[list[bytes]] = Outbox(size, send_timeout=send_timeout)
+        self._input_rounds = 0
         self._identities = [rank_identity(r) for r in range(size)]
         self.nursery: trio.Nursery | None = None  # set by open_group_transport
 
@@ -426,6 +430,7 @@ class GroupTransport:
         zs = self.input
         outbox = self.outbox
         while True:
+            self._input_rounds += 1
             now = trio.current_time()
             sent_any = self._flush_input(now)
             for frames in zs.receive_nowait():
@@ -510,6 +515,7 @@ class GroupTransport:
             dropped_answers=self._dropped_answers,
             identity_conflicts=self.state.identity_conflicts,
             queued=tuple(self.outbox.queued(r) for r in range(self.size)),
+            input_rounds=self._input_rounds,
             refused_connections=0 if self.zap is None else self.zap.refused,
             impersonations=0 if self.binding is None else self.binding.impersonations,
         )
