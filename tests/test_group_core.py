@@ -331,12 +331,15 @@ def test_rejoins_soon_after_the_previous_hello_are_one_identity_conflict_episode
     hello = Hello(rank=0, size=1, lockstep=False)
     me = rank_identity(0)
     assert state.on_hello(me, hello, now=0.0).conflict is None  # the first HELLO
-    assert state.on_hello(me, hello, now=100.0).conflict is None  # a restart, 100 s later
-    verdict = state.on_hello(me, hello, now=101.5)  # two processes take turns
+    assert state.on_hello(me, hello, now=2.0).conflict is None  # one quick restart: fine
+    assert state.on_hello(me, hello, now=100.0).conflict is None  # and one more, later
+    assert state.on_hello(me, hello, now=101.0).conflict is None  # ... and another
+    verdict = state.on_hello(me, hello, now=101.5)  # three HELLOs in 1.5 s: two processes
     assert verdict.rejoin and verdict.conflict == 1.5
     assert state.on_hello(me, hello, now=102.0).conflict is None  # same episode: reported once
-    assert state.identity_conflicts == 1 and state.rejoins[0] == 3
+    assert state.identity_conflicts == 1 and state.rejoins[0] == 5
     assert state.on_hello(me, hello, now=200.0).conflict is None  # quiet for a window
+    assert state.on_hello(me, hello, now=200.5).conflict is None
     assert state.on_hello(me, hello, now=201.0).conflict == 1.0  # a new episode
     assert state.identity_conflicts == 2
 
@@ -347,3 +350,18 @@ def test_load_kv_out_of_64_bit_range_is_refused_and_null_is_absent() -> None:
     assert send(c, 0, 1.0, load={"running": 1, "kv": None}).dead is None
     assert c.routing.load(0).kv == 0.0
     assert "connection error" in (send(c, 0, 2.0, load={"kv": 2**64 - 1}).dead or "")
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["whole", "decoded-in-steps"])
+def test_ids_that_only_look_issued_are_strays_and_a_batch_of_them_is_cut_short(
+    stepped: bool,
+) -> None:
+    c = core()
+    if stepped:
+        c.incremental_bytes = 1  # every body is decoded in steps, judged as it goes
+    c.submit("a", None, object(), 0, now=0.0)
+    send(c, 0, 0.5, finished=[wire(c, "a")])  # "a#0" ended: an entry for it is late
+    strays = ["a#0", *(f"x#{i % 3}" for i in range(20_000))]  # shaped like ours
+    result = send(c, 0, 1.0, finished=strays)
+    assert result.rest is None and "mostly strays" in (result.dead or "")
+    assert c.counters.late_outputs + c.counters.unknown_outputs <= c.slice_entries

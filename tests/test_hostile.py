@@ -16,6 +16,7 @@ test waits for the event that would show the outcome, bounded by `move_on_after`
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from pathlib import Path
@@ -76,6 +77,45 @@ async def test_a_rank_that_stops_reading_delays_only_itself(ctx: Any, tmp_path: 
                 await streams[-1].receive()
             assert group.statistics().ranks[1].queued == 0  # dropped with the rank
             stuck.close()
+        nursery.cancel_scope.cancel()
+
+
+FLOOD = """
+import sys, time, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.setsockopt(zmq.ROUTING_ID, (1).to_bytes(2, "little"))
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(sys.argv[1])
+end = time.monotonic() + 8
+while time.monotonic() < end:
+    sock.send(b"\\xff")
+"""
+"""Another process (so that it does not share our GIL) floods junk on the input socket
+under rank 1's identity, as fast as it can, for 8 s (a client that does not yield to
+the other tasks meanwhile is frozen until then, and the test fails instead of hanging)."""
+
+
+async def test_a_peer_that_floods_the_input_socket_holds_up_nobody(
+    ctx: Any, tmp_path: Path
+) -> None:
+    url = f"ipc://{tmp_path}/g"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ScriptedEngine(url, 0, 2).run)
+        async with group_in_background(url, 2) as box:
+            rank1 = RawEngine(ctx, url, 1, 2)
+            init = await rank1.handshake()
+            group = await box.wait()
+            flooder = await trio.lowlevel.open_process([sys.executable, "-c", FLOOD, init.input])
+            try:
+                await wait_until(lambda: group.statistics().ignored_handshake_messages > 10_000)
+                assert await collect(group, Request("fast", "x", 0)) == [
+                    Output("fast", "x", "stop")
+                ]
+                assert flooder.returncode is None  # served while the flood went on
+            finally:
+                flooder.kill()
+                await flooder.wait()
+            rank1.close()
         nursery.cancel_scope.cancel()
 
 
@@ -165,6 +205,29 @@ async def test_a_long_batch_is_applied_in_slices_with_consumers_running_between(
         engine.close()
 
 
+async def test_a_long_batch_of_one_rank_holds_up_no_other_rank(ctx: Any, tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/g"
+    n = 300_000
+    async with group_in_background(url, 2) as box:
+        long, short = RawEngine(ctx, url, 0, 2), RawEngine(ctx, url, 1, 2)
+        inits = [await long.handshake(), await short.handshake()]
+        group = await box.wait()
+        a, b = group.submit(Request("a", None, 0)), group.submit(Request("b", None, 1))
+        wa, wb = (await long.request()).id, (await short.request()).id
+        outputs = [{"id": wa, "body": i} for i in range(n - 1)]
+        await long.send_batch({"epoch": inits[0].epoch, "outputs": outputs})
+        last = [{"id": wa, "body": n - 1, "finish": "stop"}]
+        await long.send_batch({"epoch": inits[0].epoch, "outputs": last})  # held behind
+        got = await a.receive_batch()  # rank 0's long batch is under way
+        await short.send_batch({"epoch": inits[1].epoch, "outputs": [{"id": wb, "finish": "stop"}]})
+        assert [o.finish async for o in b] == ["stop"]
+        assert a.outcome is None  # rank 1 was served while rank 0's batch was applied
+        got += [out async for out in a]
+        assert [o.body for o in got] == list(range(n))  # in order, the held batch last
+        long.close()
+        short.close()
+
+
 async def test_a_batch_of_mostly_strays_is_a_connection_error(ctx: Any, tmp_path: Path) -> None:
     url = f"ipc://{tmp_path}/g"
     async with group_in_background(url, 1) as box:
@@ -202,6 +265,34 @@ async def test_a_stream_nobody_reads_stops_at_max_buffered(tmp_path: Path) -> No
         assert [o.body for o in got] == list(range(8))
         with pytest.raises(StreamOverflow, match="max_buffered"):
             await stream.receive()
+
+
+async def test_a_stream_that_overflows_in_the_batch_that_ends_its_request(
+    ctx: Any, tmp_path: Path
+) -> None:
+    url = f"ipc://{tmp_path}/g"
+    async with group_in_background(url, 1, max_buffered=2) as box:
+        engine = RawEngine(ctx, url, 0, 1)
+        init = await engine.handshake()
+        group = await box.wait()
+        stream = group.submit(Request("r", None))
+        wid = (await engine.request()).id
+        outputs = [{"id": wid, "body": i, "finish": "stop" if i == 3 else None} for i in (1, 2, 3)]
+        await engine.send_batch({"epoch": init.epoch, "outputs": outputs})
+        assert [await stream.receive() for _ in range(2)] == [Output("r", 1), Output("r", 2)]
+        with pytest.raises(StreamOverflow, match="had just ended on its rank") as info:
+            await stream.receive()
+        assert not info.value.aborted
+        stats = group.statistics()
+        assert (stats.finished, stats.overflowed, stats.ranks[0].inflight) == (1, 1, 0)
+        engine.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "8", 2.5, True])
+async def test_max_buffered_must_be_a_positive_int(tmp_path: Path, bad: Any) -> None:
+    with pytest.raises(ValueError, match="max_buffered"):
+        async with EngineGroup.connect(f"ipc://{tmp_path}/g", 1, max_buffered=bad):
+            pass  # pragma: no cover
 
 
 # -- two processes claiming one rank ----------------------------------------------------

@@ -4,6 +4,7 @@ conftest.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -23,6 +24,7 @@ from zmqdp._core.codec import decode_batch, decode_handshake, encode_request
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Add, Init, Output, OutputBatch, Reject, Resync, Wake
 from zmqdp._transport import GroupTransport, TransportListener, open_group_transport
+from zmqdp._util import LogLimiter
 from zmqdp._zmq import POLLIN, ZSocket
 from zmqdp.engine import connect_engine
 
@@ -211,9 +213,12 @@ async def raw_hello(ctx: Any, url: str, identity: bytes, **fields: Any) -> Init 
     dealer = raw(ctx, zmq.DEALER, identity)
     dealer.sock.connect(url)
     await dealer.send([cbor2.dumps(hello)])
-    [[body]] = await dealer.receive_batch(1)
+    while True:  # the client RESYNCs ranks it waits for: one may come first
+        [[body]] = await dealer.receive_batch(1)
+        reply = decode_handshake(body)
+        if not isinstance(reply, Resync):
+            break
     dealer.close()
-    reply = decode_handshake(body)
     assert isinstance(reply, Init | Reject)
     return reply
 
@@ -423,3 +428,27 @@ async def test_an_idle_socket_counts_no_fallbacks(ctx: Any) -> None:
     stats = rx.statistics()
     assert stats.waits >= 2 and stats.fallbacks == 0
     rx.close()
+
+
+def test_what_one_peer_can_queue_is_bounded_by_max_message_size(ipc_url: str) -> None:
+    for limit, output_hwm in [(64 << 20, 16), (8 << 20, 128), (1 << 20, 1000)]:
+        transport = GroupTransport(ipc_url, 1, max_message_size=limit)
+        try:
+            hwms = [zs.sock.getsockopt(zmq.RCVHWM) for zs in (transport.handshake, transport.input)]
+            assert hwms == [16, 16]
+            assert transport.output.sock.getsockopt(zmq.RCVHWM) == output_hwm  # <= 1 GiB
+        finally:
+            transport.close()
+
+
+def test_what_peers_cause_is_logged_ten_times_then_at_powers_of_ten(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    limiter = LogLimiter(logging.getLogger("zmqdp.test"))
+    with caplog.at_level(logging.WARNING, logger="zmqdp.test"):
+        for _ in range(10_000):
+            limiter.log(logging.WARNING, "kind", "a peer did %s", "it")
+        limiter.log(logging.WARNING, "other", "another kind")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 10 + 3 + 1  # 1..10, then 100, 1000, 10000; the other kind
+    assert lines[10:13] == [f"a peer did it ({n} times so far)" for n in (100, 1000, 10_000)]

@@ -25,6 +25,11 @@ exactly one owning task:
   counted, and if it came on the input or output socket the rank whose identity was
   taken is reported (`listener.displaced`): its connection there is gone.
 
+Every client ROUTER bounds what libzmq may queue per peer (RCVHWM, from
+`max_message_size`: `output_hwm`, `CONTROL_HWM`), and every owning task checkpoints
+after each non-empty batch it drains, so a peer that floods a socket slows down nobody
+else. What peers cause is logged through a `LogLimiter`.
+
 Send failures are not raised into the task that queued the message (it has moved on):
 `listener.send_failed(rank, cause)` reports an unknown peer (EHOSTUNREACH under
 ROUTER_MANDATORY) at once, and a peer whose pipe stayed full past `send_timeout`.
@@ -70,7 +75,7 @@ from ._core.handshake import HandshakeState, identity_rank, rank_identity
 from ._core.messages import Hello, Init, Ready, Register, Reject, Resync
 from ._core.outbox import Outbox
 from ._core.state import DEFAULT_MAX_MESSAGE_SIZE
-from ._util import open_service_nursery
+from ._util import LogLimiter, open_service_nursery
 from ._zmq import ZSocket, ZSocketStatistics, is_unreachable
 
 __all__ = [
@@ -81,6 +86,21 @@ __all__ = [
 ]
 
 log = logging.getLogger("zmqdp")
+
+PEER_QUEUE_BYTES = 1 << 30
+"""About what libzmq may queue for one peer on the output socket: its RCVHWM is this many
+bytes' worth of the largest messages allowed (at least 16, at most 1000 messages)."""
+
+CONTROL_HWM = 16
+"""RCVHWM of the handshake and input sockets, which carry a few messages per
+incarnation: one peer can make them hold at most this many messages."""
+
+
+def output_hwm(max_message_size: int) -> int:
+    """The output ROUTER's RCVHWM (messages per peer) for this `max_message_size`:
+    memory a peer can fill is bounded by configuration, not by how fast it sends."""
+    return max(16, min(1000, PEER_QUEUE_BYTES // max(1, max_message_size)))
+
 
 CLOSE_LINGER = 0.5
 """Seconds libzmq may spend delivering the ABORTs queued at close (§9)."""
@@ -135,7 +155,8 @@ class TransportStatistics:
     rejected_hellos: int
     """HELLOs, READYs and untyped handshake messages answered with REJECT."""
     ignored_handshake_messages: int
-    """Handshake-socket messages that were neither HELLO nor READY, or came too late."""
+    """Handshake-socket messages that were neither HELLO nor READY, or came too late,
+    and input-socket messages that were not a valid REGISTER."""
     stale_registers: int
     """REGISTERs carrying the epoch of a dead incarnation (§2.3)."""
     resyncs: int
@@ -188,6 +209,7 @@ class GroupTransport:
         self.zap: ZapPolicy | None = None if curve is None else ZapPolicy(curve.rank_of)
         self.binding: PeerBinding | None = None if curve is None else PeerBinding(size)
         self.listener = listener or TransportListener()
+        self._logs = LogLimiter(log)
         self.send_timeout = send_timeout
         self._own_context = context is None
         self.context = context or zmq.Context()
@@ -242,6 +264,8 @@ class GroupTransport:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        hwm = output_hwm(max_message_size) if name == "output" else CONTROL_HWM
+        sock.setsockopt(zmq.RCVHWM, hwm)
         if self.address.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:
@@ -257,7 +281,7 @@ class GroupTransport:
         assert self.binding is not None
         keep, displaced, line = self.binding.admit(socket, identity, user_id)
         if line is not None:
-            log.error("%s", line)
+            self._logs.log(logging.ERROR, "impersonation", "%s", line)
         if displaced is not None:
             self.listener.displaced(
                 displaced,
@@ -276,7 +300,7 @@ class GroupTransport:
             for frames in await zs.receive_batch():
                 reply, line = self.zap.answer(frames)
                 if line is not None:
-                    log.error("%s", line)
+                    self._logs.log(logging.ERROR, "zap", "%s", line)
                 if reply is not None:
                     with contextlib.suppress(zmq.ZMQError):  # that connection is gone
                         zs.send_nowait(reply)
@@ -341,7 +365,9 @@ class GroupTransport:
         counted and ignored: only an invalid HELLO is a rejoin."""
         if len(frames) != 2:
             self.state.ignored += 1
-            log.warning(
+            self._logs.log(
+                logging.WARNING,
+                "handshake-frames",
                 "handshake: dropped a message of %d frames from identity %s",
                 len(frames),
                 frames[0].hex(),
@@ -360,17 +386,28 @@ class GroupTransport:
             self._answer_ready(identity, msg)
         elif isinstance(msg, ProtocolError) and msg.message is None:
             reject = self.state.on_invalid(identity, msg)
-            log.warning("handshake: rejected a message: %s", reject.reason)
+            self._logs.log(
+                logging.WARNING,
+                "handshake-reject",
+                "handshake: rejected a message: %s",
+                reject.reason,
+            )
             self._answer(identity, reject)
         else:
             self.state.ignored += 1
-            log.warning("handshake: ignored %s from identity %s", quote(msg), identity.hex())
+            self._logs.log(
+                logging.WARNING,
+                "handshake-ignored",
+                "handshake: ignored %s from identity %s",
+                quote(msg),
+                identity.hex(),
+            )
 
     def _answer_hello(self, identity: bytes, hello: Hello | ProtocolError) -> None:
         verdict = self.state.on_hello(identity, hello, trio.current_time())
         if verdict.conflict is not None:
             log.error(
-                "rank %s: said HELLO again %.1f s after its previous HELLO: two processes may "
+                "rank %s: said HELLO three times in %.1f s: two processes may "
                 "be claiming rank %s (each new connection takes the rank's identity from the "
                 "other, which is left orphaned), or the engine is restarting in a loop; make "
                 "sure exactly one engine runs as rank %s (reported once per episode; "
@@ -390,7 +427,12 @@ class GroupTransport:
         elif isinstance(hello, Hello) and verdict.rank is not None and verdict.rank < self.size:
             log.info("rank %d: HELLO accepted", verdict.rank)
         if isinstance(verdict.reply, Reject):
-            log.warning("handshake: rejected a HELLO: %s", verdict.reply.reason)
+            self._logs.log(
+                logging.WARNING,
+                "hello-reject",
+                "handshake: rejected a HELLO: %s",
+                verdict.reply.reason,
+            )
         self._answer(identity, verdict.reply)
 
     def _answer_ready(self, identity: bytes, ready: dict[str, object] | ProtocolError) -> None:
@@ -398,7 +440,9 @@ class GroupTransport:
         if verdict is True:
             self._rank_up(identity)
         elif isinstance(verdict, Reject):
-            log.warning("handshake: rejected a READY: %s", verdict.reason)
+            self._logs.log(
+                logging.WARNING, "ready-reject", "handshake: rejected a READY: %s", verdict.reason
+            )
             self._answer(identity, verdict)
 
     def _answer(self, identity: bytes, reply: Init | Reject) -> None:
@@ -412,7 +456,13 @@ class GroupTransport:
         except zmq.ZMQError as exc:  # the engine vanished between its message and ours
             cause = str(exc)
         self._dropped_answers += 1
-        log.warning("handshake: could not answer identity %s: %s", identity.hex(), cause)
+        self._logs.log(
+            logging.WARNING,
+            "answer-dropped",
+            "handshake: could not answer identity %s: %s",
+            identity.hex(),
+            cause,
+        )
 
     def _rank_up(self, identity: bytes) -> None:
         rank = identity_rank(identity)
@@ -433,7 +483,8 @@ class GroupTransport:
             self._input_rounds += 1
             now = trio.current_time()
             sent_any = self._flush_input(now)
-            for frames in zs.receive_nowait():
+            received = zs.receive_nowait()
+            for frames in received:
                 self._on_input_message(frames)
             for rank in outbox.overdue(now):
                 outbox.drop(rank)
@@ -442,6 +493,7 @@ class GroupTransport:
                 )
             if sent_any:
                 self.listener.flushed()
+            if sent_any or received:  # a peer that floods the input socket yields per batch
                 await trio.lowlevel.checkpoint()
                 continue
             with trio.move_on_at(outbox.next_retry()):
@@ -481,14 +533,26 @@ class GroupTransport:
             try:
                 msg = decode_handshake(frames[1])
             except ProtocolError as exc:
-                log.warning("input: undecodable message from %s: %s", frames[0].hex(), exc)
+                self.state.ignored += 1
+                self._logs.log(
+                    logging.WARNING,
+                    "input-undecodable",
+                    "input: undecodable message from %s: %s",
+                    frames[0].hex(),
+                    exc,
+                )
                 return
             if isinstance(msg, Register):
                 if self.state.on_register(frames[0], msg.epoch):
                     self._rank_up(frames[0])
                 return
         self.state.ignored += 1
-        log.warning("input: ignored a message from identity %s", frames[0].hex())
+        self._logs.log(
+            logging.WARNING,
+            "input-ignored",
+            "input: ignored a message from identity %s",
+            frames[0].hex(),
+        )
 
     # -- waiting and closing ----------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
@@ -10,7 +11,26 @@ import trio
 
 from ._core.errors import ZmqdpError
 
-__all__ = ["NoPublicConstructor", "open_service_nursery", "single_exception"]
+__all__ = ["LogLimiter", "NoPublicConstructor", "open_service_nursery", "single_exception"]
+
+
+class LogLimiter:
+    """Logs what peers cause without letting them decide how much is logged: per kind of
+    event, the first `burst` occurrences, then only the 100th, 1000th, 10000th... each
+    with its count. Kinds are fixed strings of ours, so the table stays small."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 10) -> None:
+        self._logger = logger
+        self._burst = burst
+        self._counts: dict[str, int] = {}
+
+    def log(self, level: int, kind: str, message: str, *args: Any) -> None:
+        n = self._counts.get(kind, 0) + 1
+        self._counts[kind] = n
+        if n <= self._burst:
+            self._logger.log(level, message, *args)
+        elif str(n).rstrip("0") == "1":  # 100, 1000, ...
+            self._logger.log(level, f"{message} ({n} times so far)", *args)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -32,7 +32,10 @@ by the input task and declares the rank dead (§6), which ends its requests with
 Messages from engines. `GroupCore.on_message` decides; the dispatcher carries it out.
 A message that is not a valid batch kills its rank at once (§7 connection error); a
 malformed entry ends only the request it names, with `ProtocolError`; a batch of a dead
-incarnation (another `epoch`, §2.3) is counted and dropped.
+incarnation (another `epoch`, §2.3) is counted and dropped. A long batch comes back in
+slices (`BatchResult.rest`): the dispatcher applies one slice per round and reads the
+other ranks' messages in between, so one rank's long batch holds up nobody else; that
+rank's own later messages wait behind it, in order.
 
 Streams (`stream.py`). The dispatcher `deliver`s outputs to a per-request buffer and
 `notify`s each consumer at most once per drained batch of messages, not once per output.
@@ -54,6 +57,7 @@ engines stop generating for a client that is gone.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -77,11 +81,12 @@ from ._core.errors import (
     StreamOverflow,
     quote,
 )
+from ._core.handshake import identity_rank
 from ._core.messages import Abort, Call, Load, Wake
 from ._core.requests import Outcome
-from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, BatchResult, Failure, GroupCore
+from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, BatchRest, BatchResult, Failure, GroupCore
 from ._transport import GroupTransport, TransportListener, open_group_transport
-from ._util import NoPublicConstructor
+from ._util import LogLimiter, NoPublicConstructor
 from .keys import ClientKeys
 from .stream import RequestStream
 
@@ -196,7 +201,9 @@ class GroupStatistics:
     protocol_failed: int
     """Requests ended with `ProtocolError` by a malformed entry naming them (§7)."""
     overflowed: int
-    """Requests aborted because their consumer fell `max_buffered` outputs behind."""
+    """Streams whose consumer fell `max_buffered` outputs behind: their request was
+    aborted (or, if its terminal output came in the same batch, counted as finished
+    too, and its outputs past the bound dropped)."""
     protocol_errors: int
     """Messages that were not valid batches (each killed its rank), or came from an
     identity that is no rank."""
@@ -217,7 +224,8 @@ class GroupStatistics:
     rejected_hellos: int
     """Handshake messages answered with REJECT (invalid or mismatched HELLO, READY)."""
     ignored_handshake_messages: int
-    """Handshake messages that were neither HELLO nor READY, or came out of turn."""
+    """Handshake messages that were neither HELLO nor READY, or came out of turn, and
+    input-socket messages that were not a valid REGISTER."""
     stale_registers: int
     """REGISTERs of a dead incarnation (another epoch), ignored."""
     resyncs: int
@@ -274,6 +282,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
         transport: GroupTransport,
         core: GroupCore[RequestStream],
         max_buffered: int | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     ) -> None:
         self._transport = transport
         self._core = core
@@ -284,6 +293,12 @@ class EngineGroup(metaclass=NoPublicConstructor):
         self._states: list[Any] = [AsyncValue(RankState.UP) for _ in range(core.size)]
         self._wave: Any = AsyncValue(core.clock.wave if core.clock is not None else None)
         self._calls = PendingCalls()
+        self._logs = LogLimiter(log)
+        # the dispatcher's long batches in hand, and the messages held behind them
+        self._long: dict[int, BatchRest] = {}
+        self._held: dict[int, collections.deque[list[bytes]]] = {}
+        self._held_bytes: dict[int, int] = {}
+        self._held_limit = 4 * max_message_size
 
     # -- connecting -------------------------------------------------------------------
 
@@ -328,6 +343,8 @@ class EngineGroup(metaclass=NoPublicConstructor):
         Cancellation: cancelled while waiting for the engines, it closes everything
         and leaves nothing running.
         """
+        if max_buffered is not None and (type(max_buffered) is not int or max_buffered < 1):
+            raise ValueError(f"max_buffered must be a positive int or None, got {max_buffered!r}")
         listener = _GroupListener()
         async with open_group_transport(
             url,
@@ -347,7 +364,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
                 stall_timeout=stall_timeout,
                 wave=transport.state.hello_wave(),
             )
-            group = cls._create(transport, core, max_buffered)
+            group = cls._create(transport, core, max_buffered, max_message_size)
             for rank in range(engines):
                 group._on_rank_up(rank)
             listener.group = group
@@ -518,55 +535,99 @@ class EngineGroup(metaclass=NoPublicConstructor):
     # -- internals: the dispatcher ----------------------------------------------------
 
     async def _dispatch(self) -> None:
+        """The dispatcher: owns the output socket and the watchdog deadline (module
+        docstring, and docs/design.md "Nobody blocks anybody").
+
+        A long batch comes back from the core with a `rest`: it is applied one slice per
+        round, and in each round this task also takes what the other ranks sent, so one
+        rank's long batch does not hold up everybody else's outputs; messages of that
+        same rank wait behind its long batch (`_held`), to keep its order.
+
+        Cancellation: only at checkpoints (the group is closing); what was applied
+        stays applied."""
         zs = self._transport.output
         core = self._core
         while True:
-            # Re-evaluate at least once a second: a submit can give an idle rank a
-            # deadline while this task is parked.
-            deadline = min(core.next_deadline(), trio.current_time() + 1.0)
-            with trio.move_on_at(deadline) as timer:
-                messages = await zs.receive_batch(256)
-            if timer.cancelled_caught:
-                # Read what is queued before judging silence: if this task was held up
-                # past the deadline, the heartbeats that arrived meanwhile are waiting.
-                # If it woke late, libzmq's I/O thread may have been held up too: give
-                # it a moment to hand over what the kernel holds.
+            if self._long:  # work in hand: take what is queued, without waiting
                 messages = zs.receive_nowait(256)
-                if not messages and trio.current_time() - deadline > _HELD_UP:
-                    with trio.move_on_after(_HELD_UP):
-                        messages = await zs.receive_batch(256)
-                if not messages:
-                    self._on_timeout(trio.current_time())
-                    continue
-            await self._on_messages(messages)
+            else:
+                # Re-evaluate at least once a second: a submit can give an idle rank a
+                # deadline while this task is parked.
+                deadline = min(core.next_deadline(), trio.current_time() + 1.0)
+                with trio.move_on_at(deadline) as timer:
+                    messages = await zs.receive_batch(256)
+                if timer.cancelled_caught:
+                    # Read what is queued before judging silence: if this task was held
+                    # up past the deadline, the heartbeats that arrived meanwhile are
+                    # waiting. If it woke late, libzmq's I/O thread may have been held
+                    # up too: give it a moment to hand over what the kernel holds.
+                    messages = zs.receive_nowait(256)
+                    if not messages and trio.current_time() - deadline > _HELD_UP:
+                        with trio.move_on_after(_HELD_UP):
+                            messages = await zs.receive_batch(256)
+                    if not messages:
+                        self._on_timeout(trio.current_time())
+                        continue
+            dirty: set[RequestStream] = set()
+            in_hand = list(self._long)  # a batch started in this round waits for the next
+            for frames in messages:
+                self._take(frames, dirty)
+            if in_hand:
+                self._advance_long(in_hand, dirty)
+                now = trio.current_time()
+                if now >= core.next_deadline():
+                    self._on_timeout(now)
+            for stream in dirty:
+                stream.notify()
+            clock = core.clock
+            if clock is not None and clock.wave != self._wave.value:
+                self._wave.value = clock.wave
+            if self._long:
+                await trio.lowlevel.checkpoint()  # consumers and other tasks run
 
-    async def _on_messages(self, messages: list[list[bytes]]) -> None:
-        """Carry out what the core decides for each message. A long batch comes in
-        slices: between two, the streams fed so far are notified and this task
-        checkpoints, so consumers and the other tasks run (docs/design.md).
+    def _take(self, frames: list[bytes], dirty: set[RequestStream]) -> None:
+        """One message from the output socket: applied now, or held behind its rank's
+        long batch."""
+        rank = identity_rank(frames[0]) if frames else None
+        if rank is not None and rank in self._long:
+            self._held.setdefault(rank, collections.deque()).append(frames)
+            held = self._held_bytes.get(rank, 0) + sum(map(len, frames))
+            self._held_bytes[rank] = held
+            if held > self._held_limit:
+                self._rank_dead(
+                    rank,
+                    f"it sent {held} bytes faster than its batches could be applied "
+                    f"(over {self._held_limit}, 4 x max_message_size)",
+                )
+            return
+        rank, result = self._core.on_message(frames, trio.current_time())
+        if rank is None:
+            self._logs.log(logging.WARNING, "output-identity", "%s", result.error)
+            return
+        self._carry_out_batch(rank, result, dirty)
+        if result.rest is not None:
+            self._long[rank] = result.rest
 
-        Cancellation: only at those checkpoints (the group is closing); what was
-        applied stays applied."""
-        core = self._core
-        dirty: set[RequestStream] = set()
-        for frames in messages:
-            rank, result = core.on_message(frames, trio.current_time())
-            if rank is None:
-                log.warning("%s", result.error)
-                continue
+    def _advance_long(self, ranks: list[int], dirty: set[RequestStream]) -> None:
+        """One slice of the long batch of each of `ranks`; a rank whose batch is done gets
+        the messages held behind it applied, in order (until one is long again)."""
+        for rank in ranks:
+            if rank not in self._long:
+                continue  # it died meanwhile
+            result = self._core.continue_batch(self._long[rank], trio.current_time())
             self._carry_out_batch(rank, result, dirty)
-            while result.rest is not None:
-                for stream in dirty:
-                    stream.notify()
-                dirty.clear()
-                await trio.lowlevel.checkpoint()
-                result = core.continue_batch(result.rest, trio.current_time())
-                self._carry_out_batch(rank, result, dirty)
-        for stream in dirty:
-            stream.notify()
-        clock = core.clock
-        if clock is not None and clock.wave != self._wave.value:
-            self._wave.value = clock.wave
+            if result.rest is not None:
+                self._long[rank] = result.rest
+                continue
+            del self._long[rank]
+            held = self._held.pop(rank, None)
+            self._held_bytes.pop(rank, None)
+            while held:
+                self._take(held.popleft(), dirty)
+                if rank in self._long and held:
+                    self._held[rank] = held
+                    self._held_bytes[rank] = sum(sum(map(len, f)) for f in held)
+                    break
 
     def _carry_out_batch(
         self, rank: int, result: BatchResult[RequestStream], dirty: set[RequestStream]
@@ -601,19 +662,14 @@ class EngineGroup(metaclass=NoPublicConstructor):
         after the outputs it holds."""
         if stream.outcome is not None:
             return
-        ended = self._core.abort(stream.request_id, stream, outcome=Outcome.OVERFLOWED)
+        ended = self._core.overflow(stream.request_id, stream)
         if ended is not None:
             self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
-        log.warning(
-            "rank %d, request %s: the consumer did not keep up (max_buffered=%s); aborted",
-            stream.rank,
-            quote(stream.request_id),
-            self._max_buffered,
+        error = StreamOverflow(
+            stream.rank, stream.request_id, self._max_buffered or 0, aborted=ended is not None
         )
-        stream.finish(
-            Outcome.OVERFLOWED,
-            StreamOverflow(stream.rank, stream.request_id, self._max_buffered or 0),
-        )
+        self._logs.log(logging.WARNING, "overflow", "%s", error)
+        stream.finish(Outcome.OVERFLOWED, error)
 
     def _on_timeout(self, now: float) -> None:
         dead, wake = self._core.on_timeout(now)

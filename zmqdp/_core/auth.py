@@ -63,45 +63,39 @@ class ZapPolicy:
     """Connections refused (key not allowed, or not CURVE, or a malformed request)."""
     accepted: int = 0
     recent: deque[Refusal] = field(default_factory=lambda: deque(maxlen=MAX_KEPT))
-    _seen: set[bytes] = field(default_factory=set)
 
     def answer(self, frames: list[bytes]) -> tuple[list[bytes] | None, str | None]:
         """The reply to one ZAP request as a ROUTER receives it (`[peer, b"", version,
-        request id, domain, address, identity, mechanism, *credentials]`), and a line to
-        log the first time a key is refused (None otherwise). No reply (None) for a
-        request too short to answer."""
+        request id, domain, address, identity, mechanism, *credentials]`), and what to
+        log if it was refused (None otherwise; the caller limits how much it logs). No
+        reply (None) for a request too short to answer."""
         if len(frames) < 4:
             self.refused += 1
             return None, "ZAP: dropped a malformed request"
         peer, empty, version, request_id = frames[:4]
         head = [peer, empty, b"1.0", request_id]
         if version != b"1.0" or len(frames) < 8:
-            return self._refuse(head, b"500", "malformed ZAP request", b"")
+            return self._refuse(head, b"500", "malformed ZAP request")
         domain, address, _identity, mechanism, *credentials = frames[4:]
         where = quote(address.decode("utf-8", "replace"))
         if mechanism != b"CURVE" or domain != ZAP_DOMAIN or len(credentials) != 1:
             return self._refuse(
-                head, b"400", f"{quote(mechanism)} in domain {quote(domain)} from {where}", b""
+                head, b"400", f"{quote(mechanism)} in domain {quote(domain)} from {where}"
             )
         key = credentials[0]
         rank = self.rank_of(key)
         if rank is None:
             return self._refuse(
-                head, b"400", f"a key not on the allow-list from {where} (raw key {key.hex()})", key
+                head, b"400", f"a key not on the allow-list from {where} (raw key {key.hex()})"
             )
         self.accepted += 1
         return [*head, b"200", b"OK", str(rank).encode(), b""], None
 
-    def _refuse(
-        self, head: list[bytes], status: bytes, what: str, key: bytes
-    ) -> tuple[list[bytes], str | None]:
+    def _refuse(self, head: list[bytes], status: bytes, what: str) -> tuple[list[bytes], str]:
         self.refused += 1
         self.recent.append(Refusal(what))
-        first = key not in self._seen
-        if first and len(self._seen) < MAX_KEPT:
-            self._seen.add(key)
         reply = [*head, status, b"refused" if status == b"400" else b"error", b"", b""]
-        return reply, f"CURVE: refused {what}" if first else None
+        return reply, f"CURVE: refused {what}"
 
 
 class PeerBinding:
@@ -114,13 +108,12 @@ class PeerBinding:
         self.impersonations = 0
         """Messages dropped because the routing id was not the key's rank."""
         self.recent: deque[Refusal] = deque(maxlen=MAX_KEPT)
-        self._reported: set[tuple[str, bytes, str | None]] = set()
 
     def admit(
         self, socket: str, identity: bytes, user_id: str | None
     ) -> tuple[bool, int | None, str | None]:
         """(keep the message?, the rank whose connection on `socket` an impostor has
-        taken (the caller declares it dead), a line to log the first time)."""
+        taken (the caller declares it dead), what to log)."""
         if user_id is not None and self._identity_of.get(user_id) == identity:
             return True, None, None
         self.impersonations += 1
@@ -129,11 +122,7 @@ class PeerBinding:
         shown = f"rank {claimed}" if claimed is not None else f"identity {identity.hex()}"
         what = f"a peer with {key} claimed {shown} on the {socket} socket"
         self.recent.append(Refusal(what))
-        log_line = None
-        seen = (socket, identity, user_id)
-        if seen not in self._reported and len(self._reported) < MAX_KEPT:
-            self._reported.add(seen)
-            log_line = f"CURVE: dropped a message: {what}"
+        log_line = f"CURVE: dropped a message: {what}"
         displaced = None
         if socket != "handshake" and claimed is not None and claimed < self.size:
             displaced = claimed  # ROUTER_HANDOVER gave it that rank's connection

@@ -28,7 +28,7 @@ bodies (`cbor.loads`), which is what makes that call several times faster.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from . import cbor
@@ -448,16 +448,18 @@ _PARSERS: tuple[tuple[Literal["outputs", "finished", "replies"], Any], ...] = (
 
 
 class EntryCursor:
-    """The entries of a long batch that are not parsed yet, in batch order: `outputs`,
-    then `finished`, then `replies`. Each `next_slice` parses up to `n` of them with the
-    same entry rules as `decode_batch`."""
+    """The entries of a long batch not handed out yet, in batch order: `outputs`, then
+    `finished`, then `replies`. Each `next_slice` takes up to `n` of them, parsing them
+    with the same entry rules as `decode_batch` (unless `parsed`: `BatchDecoder` parses
+    each entry as it decodes it, so that the work of a step is bounded by its bytes)."""
 
-    __slots__ = ("_arrays", "_key", "_pos")
+    __slots__ = ("_arrays", "_key", "_parsed", "_pos")
 
-    def __init__(self, arrays: list[list[Any]], key: int = 0, pos: int = 0) -> None:
-        self._arrays = arrays  # the raw outputs, finished and replies arrays
-        self._key = key
-        self._pos = pos
+    def __init__(self, arrays: list[list[Any]], *, parsed: bool = False) -> None:
+        self._arrays = arrays  # the outputs, finished and replies arrays
+        self._parsed = parsed  # their items are parsed entries and BadEntry already
+        self._key = 0
+        self._pos = 0
 
     def remaining(self) -> int:
         left = sum(len(a) for a in self._arrays[self._key :])
@@ -475,7 +477,11 @@ class EntryCursor:
             if end > self._pos:
                 key, parse = _PARSERS[self._key]
                 chunk = raw if self._pos == 0 and end == len(raw) else raw[self._pos : end]
-                parsed[self._key] = _entries(chunk, key, parse, bad)
+                if self._parsed:
+                    parsed[self._key] = tuple(x for x in chunk if type(x) is not BadEntry)
+                    bad += [x for x in chunk if type(x) is BadEntry]
+                else:
+                    parsed[self._key] = _entries(chunk, key, parse, bad)
                 n -= end - self._pos
             if end < len(raw):
                 self._pos = end
@@ -505,7 +511,9 @@ def decode_batch_sliced(
     return _batch_from_map(cbor.loads(data), max_entries)
 
 
-def _batch_from_map(m: Any, max_entries: int | None) -> tuple[OutputBatch, EntryCursor | None]:
+def _batch_from_map(
+    m: Any, max_entries: int | None, parsed: bool = False
+) -> tuple[OutputBatch, EntryCursor | None]:
     if type(m) is not dict:
         raise ProtocolError(f"output batch must be a CBOR map, got {_kind(m)}")
     for key in m:
@@ -524,7 +532,7 @@ def _batch_from_map(m: Any, max_entries: int | None) -> tuple[OutputBatch, Entry
         dead = _text(m, "dead", "output batch")
     except ProtocolError as exc:
         raise exc.at(rank=rank) from None
-    cursor = EntryCursor(arrays)
+    cursor = EntryCursor(arrays, parsed=parsed)
     total = len(arrays[0]) + len(arrays[1]) + len(arrays[2])
     outputs, finished, replies, bad = cursor.next_slice(
         total if max_entries is None else max_entries
@@ -550,21 +558,43 @@ _ARRAY_KEYS = ("outputs", "finished", "replies")
 
 class BatchDecoder:
     """Decodes one large output batch in steps, for a caller that checkpoints between
-    them (`cbor.MapReader`): `step()` decodes a few hundred KiB or a few thousand items
-    and returns True once the whole body is decoded and checked; `result()` is then what
-    `decode_batch_sliced` returns for the same body. Both raise `ProtocolError` only.
+    them (`cbor.MapReader`): `step()` decodes and checks at most `max_bytes` of the body
+    (or `max_items` items), plus the item it is on, and returns True once the whole body
+    is decoded; `result()` is then what `decode_batch_sliced` returns for the same body.
+    Both raise `ProtocolError` only.
 
-    Top-level arrays are taken element by element (those of unknown keys are decoded
-    and dropped); any other value, and each single element, is one cbor2 call."""
+    Top-level arrays are taken element by element, and each entry of `outputs`,
+    `finished` and `replies` is parsed as it is decoded (the elements of unknown keys
+    are decoded and dropped); any other value, and each single element, is one cbor2
+    call: its cost is bounded by `max_message_size` only."""
 
-    __slots__ = ("_array", "_array_left", "_left", "_map", "_reader")
+    __slots__ = (
+        "_array",
+        "_array_left",
+        "_judge",
+        "_left",
+        "_map",
+        "_parse",
+        "_reader",
+        "junk",
+        "known",
+    )
 
-    def __init__(self, data: bytes | memoryview) -> None:
+    def __init__(
+        self, data: bytes | memoryview, judge: Callable[[Any], bool] | None = None
+    ) -> None:
         self._reader = cbor.MapReader(data)
+        self._judge = judge
+        self.junk = 0
+        """Entries decoded so far that `judge` called junk (the caller's stray rule can
+        stop a batch of junk long before it is all decoded)."""
+        self.known = 0
+        """Entries decoded so far that `judge` did not call junk."""
         self._map: dict[str, Any] = {}
         self._left = self._reader.pairs
         self._array: list[Any] | None = None
         self._array_left = 0
+        self._parse: Any = None
 
     def step(self, max_items: int = 4096, max_bytes: int = 256 * 1024) -> bool:
         with cbor.gc_paused():  # see cbor.gc_paused: 25 % faster, and no collection inside
@@ -575,15 +605,20 @@ class BatchDecoder:
         stop = reader.position() + max_bytes
         while max_items > 0 and reader.position() < stop:
             if self._array_left:
-                n = min(max_items, self._array_left)
-                element = reader.element
-                if self._array is None:
-                    for _ in range(n):
-                        element()
-                else:
-                    self._array.extend([element() for _ in range(n)])
-                self._array_left -= n
-                max_items -= n
+                element, parse, array = reader.element, self._parse, self._array
+                position, judge = reader.position, self._judge
+                while self._array_left and max_items > 0 and position() < stop:
+                    value = element()
+                    if array is not None:
+                        entry = parse(value)
+                        array.append(entry)
+                        if judge is not None:
+                            if judge(entry):
+                                self.junk += 1
+                            else:
+                                self.known += 1
+                    self._array_left -= 1
+                    max_items -= 1
                 continue
             if not self._left:
                 reader.finish()
@@ -596,6 +631,7 @@ class BatchDecoder:
                 self._map[key] = reader.value()
             elif key in _ARRAY_KEYS:
                 self._array = self._map[key] = []
+                self._parse = _parsed_or_bad(*_PARSERS[_ARRAY_KEYS.index(key)])
                 self._array_left = length
             else:  # its elements are checked and dropped; a known key still sees an array
                 self._array = None
@@ -607,4 +643,16 @@ class BatchDecoder:
         return False
 
     def result(self, max_entries: int | None = None) -> tuple[OutputBatch, EntryCursor | None]:
-        return _batch_from_map(self._map, max_entries)
+        return _batch_from_map(self._map, max_entries, parsed=True)
+
+
+def _parsed_or_bad(key: Literal["outputs", "finished", "replies"], parse: Any) -> Any:
+    """`parse` for one entry of `key`, returning a `BadEntry` instead of raising."""
+
+    def one(item: Any) -> Any:
+        try:
+            return parse(item)
+        except ProtocolError as exc:
+            return BadEntry(key, _usable_id(item, key), exc.cause)
+
+    return one

@@ -232,11 +232,18 @@ class StreamOverflow(ZmqdpError):
     on its rank (its outputs would otherwise pile up in memory without bound). The
     outputs buffered before that are still read first."""
 
-    def __init__(self, rank: int, request_id: str, limit: int):
+    def __init__(self, rank: int, request_id: str, limit: int, aborted: bool = True):
         self.rank = rank
         self.request_id = request_id
         self.limit = limit
+        self.aborted = aborted
+        """False if the request had just ended on its rank (in the same batch)."""
+        what = (
+            "the request was aborted on its rank"
+            if aborted
+            else "the request had just ended on its rank; its later outputs were dropped"
+        )
         super().__init__(
             f"{_where(rank, request_id)}: the consumer did not keep up: {limit} outputs "
-            "were waiting to be read (max_buffered); the request was aborted on its rank"
+            f"were waiting to be read (max_buffered); {what}"
         )

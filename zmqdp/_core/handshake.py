@@ -29,12 +29,13 @@ identity) so a timeout can name them.
 A HELLO from a rank that is already admitted is a **rejoin**, during the handshake or
 after it, whether the HELLO is admitted or rejected (§7): that rank's previous
 incarnation is dead. The caller is told (`HelloVerdict.rejoin`) so it can fail what the
-old incarnation held. Two live processes claiming one rank show up as rejoins in quick
-succession (each HELLO takes the rank's connection from the other, ROUTER_HANDOVER, and
-the first is orphaned): a rejoin less than `conflict_window` seconds after the rank's
-previous HELLO is reported once per episode (`HelloVerdict.conflict`, counted in
-`identity_conflicts`); the episode ends after `conflict_window` seconds without one. An
-engine that crash-loops looks the same, and deserves the same loud report.
+old incarnation held. Two live processes claiming one rank show up as repeated rejoins
+(each HELLO takes the rank's connection from the other, ROUTER_HANDOVER, and the other
+is orphaned): a second rejoin within `conflict_window` seconds (three HELLOs of one rank
+in that window) is reported once per episode (`HelloVerdict.conflict`, counted in
+`identity_conflicts`); the episode ends after `conflict_window` seconds without a rejoin.
+One restart is one rejoin and is not reported. An engine that crash-loops looks the same
+as two processes, and deserves the same loud report.
 
 RESYNC (§2.5). The client asks every rank it is waiting for (one that has not said
 HELLO: at start-up, and after the caller `forget`s a dead rank) to start over, about
@@ -107,7 +108,7 @@ class HelloVerdict:
     rejoin: bool = False
     """The rank had been admitted: its previous incarnation is dead."""
     conflict: float | None = None
-    """A new identity-conflict episode (report it): seconds since the previous HELLO."""
+    """A new identity-conflict episode (report it): the seconds its three HELLOs took."""
 
 
 class HandshakeState:
@@ -140,7 +141,7 @@ class HandshakeState:
         self.rejoins = [0] * size
         self.conflict_window = conflict_window
         self.identity_conflicts = 0
-        self._last_hello = [-math.inf] * size
+        self._hellos: list[deque[float]] = [deque(maxlen=2) for _ in range(size)]
         self._conflict_until = [-math.inf] * size
         self.ignored = 0
         self.stale_registers = 0
@@ -193,7 +194,7 @@ class HandshakeState:
             self.lockstep = hello.lockstep
         rejoin = self._ranks[rank].phase is not RankPhase.MISSING
         conflict = self._rejoined(rank, now) if rejoin else None
-        self._last_hello[rank] = now
+        self._hellos[rank].append(now)
         epoch = self._next_epoch
         self._next_epoch += 1
         self._ranks[rank] = _Rank(
@@ -212,18 +213,19 @@ class HandshakeState:
         return HelloVerdict(init, rank, rejoin, conflict)
 
     def _rejoined(self, rank: int, now: float) -> float | None:
-        """Count a rejoin; if it comes soon after the previous HELLO and no episode is
-        under way, a new identity-conflict episode begins: return the gap."""
+        """Count a rejoin; if it is the second within `conflict_window` and no episode is
+        under way, a new identity-conflict episode begins: return how long it took."""
         self.rejoins[rank] += 1
-        gap = now - self._last_hello[rank]
-        if gap >= self.conflict_window:
+        hellos = self._hellos[rank]
+        if len(hellos) < 2 or now - hellos[0] >= self.conflict_window:
             return None
+        span = now - hellos[0]
         new = now >= self._conflict_until[rank]
         self._conflict_until[rank] = now + self.conflict_window
         if not new:
             return None
         self.identity_conflicts += 1
-        return gap
+        return span
 
     def on_invalid(self, identity: bytes, error: ProtocolError) -> Reject:
         """A handshake message that claims no type at all: refused, no rank touched."""
@@ -343,6 +345,6 @@ class HandshakeState:
             rejoin = self._ranks[rank].phase is not RankPhase.MISSING
             if rejoin:
                 conflict = self._rejoined(rank, now)
-                self._last_hello[rank] = now
+                self._hellos[rank].append(now)
                 self._ranks[rank] = _Rank()
         return HelloVerdict(Reject(reason), rank, rejoin, conflict)

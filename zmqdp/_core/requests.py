@@ -31,8 +31,10 @@ Ordering rules the code relies on:
   free the slot of the live request that owns the id (the SMG connector's bug; see docs/design.md).
 * **Outputs follow the owner.** An output or `finished` entry only counts if it names a
   live wire id and comes from the rank that request was sent to. Anything else is
-  dropped and counted: *late* if the wire id is one this book issued (the request has
-  ended: an output racing an abort, a confirmation in `finished`), *unknown* otherwise.
+  dropped and counted: *late* if it names one of the last `RECENT_ENDED` requests that
+  ended, sent to that same rank (an output racing an abort, a confirmation in
+  `finished`), *unknown* otherwise. The memory of ended requests is what tells a real
+  late entry from a stray that merely looks like a wire id (`x#0`); it is bounded.
   Because wire ids are never reused, a late output can never reach a newer request,
   whatever an engine puts in one batch. That is why revision 1's per-(rank, id)
   "unconfirmed abort" counts are gone.
@@ -45,6 +47,7 @@ Ordering rules the code relies on:
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -53,7 +56,11 @@ from .errors import DuplicateRequestId
 from .messages import Output
 from .routing import Routing
 
-__all__ = ["BatchEffects", "Ended", "Outcome", "RequestBook"]
+__all__ = ["RECENT_ENDED", "BatchEffects", "Ended", "Outcome", "RequestBook"]
+
+RECENT_ENDED = 65536
+"""How many ended requests the book remembers (wire id and rank), to tell late entries
+from strays: a few MiB."""
 
 H = TypeVar("H")
 
@@ -91,9 +98,10 @@ class BatchEffects(Generic[H]):
     deliveries: list[tuple[H, Output]] = field(default_factory=list)
     ended: list[Ended[H]] = field(default_factory=list)
     late: int = 0
-    """Entries naming a wire id this book issued for a request that has ended."""
+    """Entries naming a request that ended recently on this rank."""
     unknown: int = 0
-    """Entries naming a wire id that was never issued, or is live on another rank."""
+    """Entries naming a wire id that was never issued, or not to this rank, or ended
+    long ago."""
 
 
 @dataclass(slots=True)
@@ -109,13 +117,15 @@ class RequestBook(Generic[H]):
     and an opaque `handle` (the trio layer's stream). Owns the in-flight reservations
     in `routing`, which are held by wire id."""
 
-    __slots__ = ("_by_app", "_live", "_serial", "routing")
+    __slots__ = ("_by_app", "_live", "_recent", "_recent_order", "_serial", "routing")
 
     def __init__(self, routing: Routing) -> None:
         self.routing = routing
         self._live: dict[str, _Live[H]] = {}  # wire id -> entry
         self._by_app: dict[str, _Live[H]] = {}  # application id -> entry
         self._serial = 0
+        self._recent: dict[str, int] = {}  # wire id -> rank, of the latest ended requests
+        self._recent_order: deque[str] = deque()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -141,18 +151,23 @@ class RequestBook(Generic[H]):
         self._serial = serial + 1
         return f"{request_id}#{serial}"
 
-    def issued(self, wire_id: str) -> bool:
-        """Whether `wire_id` has the form of one this book issued (for counting)."""
-        _, sep, serial = wire_id.rpartition("#")
-        # ASCII digits only, at most 19 of them: `int()` refuses Unicode digits such as
-        # '²' and (by default) strings of over 4300 digits, and an engine chooses these
-        return (
-            bool(sep)
-            and 0 < len(serial) <= 19
-            and serial.isascii()
-            and serial.isdigit()
-            and int(serial) < self._serial
-        )
+    def known_on(self, wire_id: str, rank: int) -> bool:
+        """Whether `wire_id` names a request live on `rank` or recently ended there: an
+        entry for it is no stray."""
+        entry = self._live.get(wire_id)
+        return entry.rank == rank if entry is not None else self._recent.get(wire_id) == rank
+
+    def ended_recently(self, wire_id: str, rank: int) -> bool:
+        """Whether `wire_id` is one of the last `RECENT_ENDED` requests that ended, and
+        was sent to `rank` (an entry for it is late, not a stray)."""
+        return self._recent.get(wire_id) == rank
+
+    def _remember(self, wire_id: str, rank: int) -> None:
+        self._recent[wire_id] = rank
+        order = self._recent_order
+        order.append(wire_id)
+        if len(order) > RECENT_ENDED:
+            del self._recent[order.popleft()]
 
     def submit(self, request_id: str, wire_id: str, handle: H, rank: int | None = None) -> int:
         """Register `request_id` under `wire_id`, then choose and reserve its rank.
@@ -194,6 +209,7 @@ class RequestBook(Generic[H]):
     def _end(self, entry: _Live[H], outcome: Outcome, cause: str | None) -> Ended[H]:
         del self._live[entry.wire_id]
         del self._by_app[entry.request_id]
+        self._remember(entry.wire_id, entry.rank)
         self.routing.release(entry.rank, (entry.wire_id,))
         return Ended(entry.request_id, entry.rank, entry.handle, outcome, cause, entry.wire_id)
 
@@ -225,12 +241,13 @@ class RequestBook(Generic[H]):
             wid = out.request_id
             entry = live.get(wid)
             if entry is None or entry.rank != rank:
-                self._stray(fx, wid, entry)
+                self._stray(fx, wid, rank)
                 continue
             fx.deliveries.append((entry.handle, Output(entry.request_id, out.body, out.finish)))
             if out.finish is not None:
                 del live[wid]
                 del by_app[entry.request_id]
+                self._remember(wid, rank)
                 released.append(wid)
                 fx.ended.append(
                     Ended(entry.request_id, rank, entry.handle, Outcome.FINISHED, None, wid)
@@ -238,10 +255,11 @@ class RequestBook(Generic[H]):
         for wid in finished:
             entry = live.get(wid)
             if entry is None or entry.rank != rank:
-                self._stray(fx, wid, entry)
+                self._stray(fx, wid, rank)
                 continue
             del live[wid]
             del by_app[entry.request_id]
+            self._remember(wid, rank)
             released.append(wid)
             fx.ended.append(
                 Ended(entry.request_id, rank, entry.handle, Outcome.TRUNCATED, None, wid)
@@ -250,8 +268,8 @@ class RequestBook(Generic[H]):
             self.routing.release(rank, released)
         return fx
 
-    def _stray(self, fx: BatchEffects[H], wire_id: str, entry: _Live[H] | None) -> None:
-        if entry is None and self.issued(wire_id):
+    def _stray(self, fx: BatchEffects[H], wire_id: str, rank: int) -> None:
+        if self._recent.get(wire_id) == rank:
             fx.late += 1
         else:
             fx.unknown += 1
@@ -265,6 +283,7 @@ class RequestBook(Generic[H]):
         for wid in self.live_on(rank):
             entry = self._live.pop(wid)
             del self._by_app[entry.request_id]
+            self._remember(wid, rank)
             ended.append(Ended(entry.request_id, rank, entry.handle, Outcome.FAILED, cause, wid))
         return ended
 

@@ -53,6 +53,7 @@ which says so in its result.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -129,10 +130,13 @@ class BatchRest:
     cursor: EntryCursor | None = None
     dead: str | None = None
     """The batch's `dead`, applied after its last entry."""
+    tallied: bool = False
+    """The decoder judged every entry already (`unknown`/`known` are final)."""
     unknown: int = 0
-    """Entries so far naming a wire id never issued to that rank."""
+    """Entries so far that are junk: naming a wire id not issued to that rank (or ended
+    long ago), or malformed and naming nothing live."""
     known: int = 0
-    """Entries so far naming a wire id issued to that rank (live or late)."""
+    """Entries so far naming a wire id live or recently ended on that rank."""
 
 
 @dataclass(slots=True)
@@ -252,8 +256,9 @@ class GroupCore(Generic[H]):
     incremental_bytes = 512 * 1024
     """Bodies at least this large are decoded in steps (`BatchDecoder`)."""
     stray_limit = 1024
-    """A batch with more entries than this naming wire ids never issued to its rank,
-    and more such entries than others, is a connection error (§7)."""
+    """A batch with more junk entries than this (wire ids not issued to its rank, or
+    malformed entries naming nothing live), and more junk than other entries, is a
+    connection error (§7)."""
 
     def __init__(
         self,
@@ -451,6 +456,15 @@ class GroupCore(Generic[H]):
             self.counters.count((ended,))
         return ended
 
+    def overflow(self, request_id: str, handle: H) -> Ended[H] | None:
+        """A stream's consumer fell `max_buffered` outputs behind: end its request
+        (OVERFLOWED) and return it, so the caller sends ABORT, if it is still live. It is
+        counted in `overflowed` either way (it may have just ended in the same batch)."""
+        ended = self.abort(request_id, handle, outcome=Outcome.OVERFLOWED)
+        if ended is None:
+            self.counters.overflowed += 1
+        return ended
+
     def after_flush(self) -> int | None:
         """The input task sent a run of messages: in a lockstep group that sent ADDs,
         the wave to WAKE every rank with (§5: one WAKE for several ADDs), else None."""
@@ -489,7 +503,7 @@ class GroupCore(Generic[H]):
             return BatchResult()
         if len(body) >= self.incremental_bytes:
             try:
-                decoder = BatchDecoder(body)
+                decoder = BatchDecoder(body, self._junk_judge(rank))
             except ProtocolError as exc:
                 return self._connection_error(rank, exc)
             return self.continue_batch(BatchRest(rank, health, decoder=decoder), now)
@@ -508,21 +522,25 @@ class GroupCore(Generic[H]):
         if not self.is_up(rank) or self.health[rank] is not health:
             self.counters.stale_messages += 1
             return BatchResult()
-        if rest.decoder is not None:
+        decoder = rest.decoder
+        if decoder is not None:
             try:
-                if not rest.decoder.step():
+                done = decoder.step()
+                if decoder.junk > self.stray_limit and decoder.junk > decoder.known:
+                    raise self._strays(decoder.junk, decoder.known)
+                if not done:
                     return BatchResult(rest=rest)
-                batch, cursor = rest.decoder.result(self.slice_entries)
+                batch, cursor = decoder.result(self.slice_entries)
             except ProtocolError as exc:
                 return self._connection_error(rank, exc)
-            return self._decoded(rank, health, batch, cursor, now)
+            return self._decoded(rank, health, batch, cursor, now, tallied=True)
         assert rest.cursor is not None
         outputs, finished, replies, bad = rest.cursor.next_slice(self.slice_entries)
         health.last_heard = now
         result: BatchResult[H] = BatchResult(replies=replies)
         fx: BatchEffects[H] | None = None
         if bad:
-            fx, result.bad_replies = self._bad_entries(rank, bad)
+            fx, result.bad_replies = self._bad_entries(rank, bad, rest)
         return self._entries(rank, health, outputs, finished, fx, result, rest, now)
 
     def _decode(self, body: bytes) -> tuple[OutputBatch, EntryCursor | None]:
@@ -536,6 +554,8 @@ class GroupCore(Generic[H]):
         batch: OutputBatch,
         cursor: EntryCursor | None,
         now: float,
+        *,
+        tallied: bool = False,
     ) -> BatchResult[H]:
         if batch.rank != rank:
             return self._connection_error(
@@ -545,7 +565,7 @@ class GroupCore(Generic[H]):
         if self._is_stale(health, batch):
             self.counters.stale_messages += 1
             return BatchResult()
-        rest = BatchRest(rank, health, cursor=cursor, dead=batch.dead)
+        rest = BatchRest(rank, health, cursor=cursor, dead=batch.dead, tallied=tallied)
         return self._apply(rank, health, batch, rest, now)
 
     def _is_stale(self, health: RankHealth, batch: OutputBatch) -> bool:
@@ -561,7 +581,7 @@ class GroupCore(Generic[H]):
         result: BatchResult[H] = BatchResult(replies=batch.replies)
         fx: BatchEffects[H] | None = None
         if batch.bad_entries:
-            fx, result.bad_replies = self._bad_entries(rank, batch.bad_entries)
+            fx, result.bad_replies = self._bad_entries(rank, batch.bad_entries, rest)
         if batch.load is not None:
             self.routing.observe_load(rank, batch.load, batch.seq)
         clock = self.clock
@@ -589,8 +609,9 @@ class GroupCore(Generic[H]):
             fx = self.book.apply_batch(rank, outputs, finished, fx)
             self.counters.late_outputs += fx.late
             self.counters.unknown_outputs += fx.unknown
-            rest.unknown += fx.unknown
-            rest.known += len(outputs) + len(finished) - fx.unknown
+            if not rest.tallied:
+                rest.unknown += fx.unknown
+                rest.known += len(outputs) + len(finished) - fx.unknown
         if fx is not None:
             if fx.deliveries or fx.ended:
                 health.last_output = now
@@ -598,11 +619,7 @@ class GroupCore(Generic[H]):
             self.counters.count(fx.ended)
             result.effects = fx
         if rest.unknown > self.stray_limit and rest.unknown > rest.known:
-            strays = ProtocolError(
-                f"{rest.unknown} entries name wire ids this client never issued to this "
-                f"rank, against {rest.known} that it did: a batch of mostly strays"
-            )
-            stop = self._connection_error(rank, strays)
+            stop = self._connection_error(rank, self._strays(rest.unknown, rest.known))
             result.error, result.dead = stop.error, stop.dead
             return result
         if rest.cursor is not None and rest.cursor.remaining():
@@ -612,9 +629,10 @@ class GroupCore(Generic[H]):
         return result
 
     def _bad_entries(
-        self, rank: int, bad: tuple[BadEntry, ...]
+        self, rank: int, bad: tuple[BadEntry, ...], rest: BatchRest
     ) -> tuple[BatchEffects[H], tuple[tuple[int, str], ...]]:
-        """§7 entry errors: end each request a malformed entry names; count the rest."""
+        """§7 entry errors: end each request a malformed entry names; count the rest
+        (and tally them as junk for the stray rule, `stray_limit`)."""
         fx: BatchEffects[H] = BatchEffects()
         calls = []
         self.counters.malformed_entries += len(bad)
@@ -624,11 +642,41 @@ class GroupCore(Generic[H]):
             if entry.key == "replies":
                 if type(entry.id) is int:
                     calls.append((entry.id, cause))
+                    continue
             elif type(entry.id) is str:
                 ended = self.book.fail_entry(rank, entry.id, cause)
                 if ended is not None:
                     fx.ended.append(ended)
+                if self.book.known_on(entry.id, rank):
+                    continue
+            if not rest.tallied:
+                rest.unknown += 1  # names nothing live: junk, as a stray
         return fx, tuple(calls)
+
+    def _strays(self, junk: int, known: int) -> ProtocolError:
+        return ProtocolError(
+            f"{junk} entries name no request of this rank or are malformed, against "
+            f"{known} that do: a batch of mostly strays"
+        )
+
+    def _junk_judge(self, rank: int) -> Callable[[Any], bool]:
+        """For `BatchDecoder`: whether one decoded entry from `rank` is junk for the
+        stray rule (as `_entries` and `_bad_entries` tally the entries of a whole batch)."""
+        known_on = self.book.known_on
+
+        def judge(entry: Any) -> bool:
+            kind = type(entry)
+            if kind is Output:
+                return not known_on(entry.request_id, rank)
+            if kind is str:
+                return not known_on(entry, rank)
+            if kind is BadEntry:
+                if entry.key == "replies":
+                    return type(entry.id) is not int
+                return type(entry.id) is not str or not known_on(entry.id, rank)
+            return False  # a reply
+
+        return judge
 
     def _connection_error(self, rank: int, exc: ProtocolError) -> BatchResult[H]:
         health = self.health[rank]
