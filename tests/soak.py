@@ -61,7 +61,10 @@ class SoakConfig:
     engines: int = 2
     seed: int = 0
     chaos_every: float = 0.7
-    """Mean seconds between chaos events (0: no chaos)."""
+    """Mean seconds between random chaos events (0: none)."""
+    blows: int = 3
+    """Chaos events spread over the run by progress (every requests/(blows+1) endings),
+    cycling through kill, freeze and client restart: the run gets each for sure."""
     silence_timeout: float = 1.0
     step_time: float = 0.002
     ids: int = 8
@@ -170,23 +173,67 @@ class _Mock:
                 await self.proc.wait()
 
 
+class _Progress:
+    """How many requests have ended, to wait on."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+        self._changed = trio.Event()
+
+    def tick(self) -> None:
+        self.ended += 1
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, count: int) -> None:
+        while self.ended < count:
+            await self._changed.wait()
+
+
+async def _blows(
+    cfg: SoakConfig,
+    rng: random.Random,
+    mock: _Mock,
+    client: _Client,
+    report: SoakReport,
+    progress: _Progress,
+) -> None:
+    kinds = ["kill", "freeze", "client"]
+    rng.shuffle(kinds)
+    for i in range(cfg.blows):
+        await progress.wait_for((i + 1) * cfg.requests // (cfg.blows + 1))
+        await _blow(kinds[i % 3], cfg, rng, mock, client, report)
+
+
 async def _chaos(
     cfg: SoakConfig, rng: random.Random, mock: _Mock, client: _Client, report: SoakReport
 ) -> None:
     while True:
         await trio.sleep(rng.expovariate(1 / cfg.chaos_every))
-        action = rng.choice(["kill", "freeze", "client", "none"])
-        report.chaos[action] = report.chaos.get(action, 0) + 1
-        if action == "kill":
-            await mock.kill()
-        elif action == "freeze" and mock.proc is not None:
-            mock.proc.send_signal(signal.SIGSTOP)
-            try:
-                await trio.sleep(rng.uniform(0.1, 2 * cfg.silence_timeout))
-            finally:
-                mock.proc.send_signal(signal.SIGCONT)
-        elif action == "client":
-            client.restart.set()
+        await _blow(
+            rng.choice(["kill", "freeze", "client", "none"]), cfg, rng, mock, client, report
+        )
+
+
+async def _blow(
+    action: str,
+    cfg: SoakConfig,
+    rng: random.Random,
+    mock: _Mock,
+    client: _Client,
+    report: SoakReport,
+) -> None:
+    report.chaos[action] = report.chaos.get(action, 0) + 1
+    if action == "kill":
+        await mock.kill()
+    elif action == "freeze" and mock.proc is not None:
+        mock.proc.send_signal(signal.SIGSTOP)
+        try:
+            await trio.sleep(rng.uniform(0.1, 2 * cfg.silence_timeout))
+        finally:
+            mock.proc.send_signal(signal.SIGCONT)
+    elif action == "client":
+        client.restart.set()
 
 
 async def _serve_client(url: str, cfg: SoakConfig, client: _Client) -> None:
@@ -282,11 +329,14 @@ async def soak(url: str, cfg: SoakConfig) -> SoakReport:
             nursery.start_soon(_serve_client, url, cfg, client)
             if cfg.chaos_every > 0:
                 nursery.start_soon(_chaos, cfg, rng, mock, client, report)
+            progress = _Progress()
+            nursery.start_soon(_blows, cfg, rng, mock, client, report, progress)
             limiter = trio.CapacityLimiter(cfg.concurrency)
 
             async def run(rec: Record) -> None:
                 async with limiter:
                     await _one(rec, cfg, rng, client, report)
+                progress.tick()
 
             with trio.move_on_after(cfg.deadline):
                 async with trio.open_nursery() as workers:

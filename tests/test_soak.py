@@ -21,4 +21,4 @@ async def test_a_short_chaos_soak_ends_every_request_once_and_crosses_nothing(
     endings = report.endings()
     assert sum(endings.values()) == 300
     assert endings.get("finished", 0) > 0  # the group served between the blows
-    assert sum(report.chaos.get(k, 0) for k in ("kill", "freeze", "client")) > 0
+    assert all(report.chaos.get(k, 0) >= 1 for k in ("kill", "freeze", "client"))
