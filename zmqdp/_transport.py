@@ -89,7 +89,8 @@ log = logging.getLogger("zmqdp")
 
 PEER_QUEUE_BYTES = 1 << 30
 """About what libzmq may queue for one peer on the output socket: its RCVHWM is this many
-bytes' worth of the largest messages allowed (at least 16, at most 1000 messages)."""
+bytes' worth of the largest messages allowed, but at least 64 messages (fewer cut the
+dispatcher's batches, and its throughput by a third, measured) and at most 1000."""
 
 CONTROL_HWM = 16
 """RCVHWM of the handshake and input sockets, which carry a few messages per
@@ -99,7 +100,7 @@ incarnation: one peer can make them hold at most this many messages."""
 def output_hwm(max_message_size: int) -> int:
     """The output ROUTER's RCVHWM (messages per peer) for this `max_message_size`:
     memory a peer can fill is bounded by configuration, not by how fast it sends."""
-    return max(16, min(1000, PEER_QUEUE_BYTES // max(1, max_message_size)))
+    return max(64, min(1000, PEER_QUEUE_BYTES // max(1, max_message_size)))
 
 
 CLOSE_LINGER = 0.5

@@ -635,11 +635,8 @@ class EngineGroup(metaclass=NoPublicConstructor):
         core = self._core
         fx = result.effects
         if fx is not None:
-            for stream, out in fx.deliveries:
-                if stream.deliver(out):
-                    dirty.add(stream)
-                else:
-                    self._overflow(stream)
+            for stream in RequestStream.deliver_all(fx.deliveries, dirty):
+                self._overflow(stream)
             for ended in fx.ended:
                 ended.handle.finish(ended.outcome, core.ending_error(ended))
         if result.wake is not None:

@@ -77,7 +77,7 @@ class RequestStream(metaclass=NoPublicConstructor):
         self._on_close = on_close
         self._limit = sys.maxsize if max_buffered is None else max_buffered
         self._buffer: deque[Output] = deque()
-        self._waiter: trio.Event | None = None
+        self._waiter: trio.lowlevel.Task | None = None
         self._done = False
         self._error: BaseException | None = None
 
@@ -95,9 +95,10 @@ class RequestStream(metaclass=NoPublicConstructor):
 
     def notify(self) -> None:
         """Wake the consumer if it is waiting."""
-        if self._waiter is not None:
-            self._waiter.set()
+        waiter = self._waiter
+        if waiter is not None:
             self._waiter = None
+            trio.lowlevel.reschedule(waiter)
 
     def finish(self, outcome: Outcome, error: BaseException | None = None) -> None:
         """The request ended (`error` is raised after the buffered outputs); idempotent."""
@@ -107,6 +108,28 @@ class RequestStream(metaclass=NoPublicConstructor):
         self.outcome = outcome
         self._error = error
         self.notify()
+
+    @classmethod
+    def deliver_all(
+        cls, deliveries: list[tuple[RequestStream, Output]], dirty: set[RequestStream]
+    ) -> list[RequestStream]:
+        """`deliver` each (stream, output) pair, adding the streams fed to `dirty`;
+        returns the streams that were full (in order, possibly repeated). One call per
+        batch instead of one method call per output: this is the hottest loop."""
+        full = []
+        add = dirty.add
+        for stream, out in deliveries:
+            if type(stream) is RequestStream:  # inlined `deliver`
+                buffer = stream._buffer
+                if len(buffer) < stream._limit:
+                    buffer.append(out)
+                    add(stream)
+                    continue
+            elif stream.deliver(out):
+                add(stream)
+                continue
+            full.append(stream)
+        return full
 
     # -- the consumer's side ----------------------------------------------------------
 
@@ -131,6 +154,11 @@ class RequestStream(metaclass=NoPublicConstructor):
 
     async def __anext__(self) -> Output:
         """`receive()`, ending the iteration at the clean end of the stream."""
+        buffer = self._buffer
+        if buffer:  # the common case, inlined: a cancellation check, no schedule point
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if buffer:
+                return buffer.popleft()
         try:
             return await self.receive()
         except trio.EndOfChannel:
@@ -160,17 +188,20 @@ class RequestStream(metaclass=NoPublicConstructor):
         return []
 
     async def _wait(self) -> None:
+        """Park the reader until `notify()` (a trio.Event per wait cost more than the
+        rest of delivering a token)."""
         if self._waiter is not None:
             raise trio.BusyResourceError(
                 f"request {self.request_id!r}: another task is already reading this stream"
             )
         await trio.lowlevel.checkpoint_if_cancelled()
         while not self._buffer and not self._done:
-            self._waiter = trio.Event()
-            try:
-                await self._waiter.wait()
-            finally:
-                self._waiter = None
+            self._waiter = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+
+    def _abort_wait(self, _raise_cancel: object) -> trio.lowlevel.Abort:
+        self._waiter = None  # cancelled: the same task may read again
+        return trio.lowlevel.Abort.SUCCEEDED
 
     async def receive(self) -> Output:
         """The next output, waiting for it if needed; `trio.EndOfChannel` after the

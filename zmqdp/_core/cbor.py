@@ -115,9 +115,18 @@ def loads(data: bytes | memoryview) -> Any:
     return _loads(data)
 
 
+_FAST_OPTIONS = {**_DECODER_OPTIONS, "max_depth": MAX_DEPTH - 1}
+
+
 def _loads(data: bytes | memoryview) -> Any:
     fp = io.BytesIO(data)
-    value = _Item(fp, MAX_DEPTH).decode()
+    try:
+        value = cbor2.CBORDecoder(fp, **_FAST_OPTIONS).decode()  # see `_Item`
+    except Exception as exc:  # cbor2 wraps its own errors; be total regardless
+        if "nesting depth" not in f"{exc} {exc.__cause__}":
+            raise _invalid(exc) from None
+        fp.seek(0)
+        value = _Item(fp, MAX_DEPTH).decode_at_limit()
     _check_end(fp.tell(), len(data))
     return value
 
@@ -130,13 +139,12 @@ class _Item:
     settles almost every body (whatever passes that is within `depth`); only a body that
     reaches the limit is decoded again with the full depth and walked once."""
 
-    __slots__ = ("_depth", "_fast", "_fp", "_full")
+    __slots__ = ("_depth", "_fast", "_fp")
 
     def __init__(self, fp: io.BytesIO, depth: int) -> None:
         self._fp = fp
         self._depth = depth
         self._fast = cbor2.CBORDecoder(fp, **{**_DECODER_OPTIONS, "max_depth": depth - 1})
-        self._full = cbor2.CBORDecoder(fp, **{**_DECODER_OPTIONS, "max_depth": depth})
 
     def decode(self) -> Any:
         start = self._fp.tell()
@@ -146,8 +154,13 @@ class _Item:
             if "nesting depth" not in f"{exc} {exc.__cause__}":
                 raise _invalid(exc) from None
         self._fp.seek(start)
+        return self.decode_at_limit()
+
+    def decode_at_limit(self) -> Any:
+        """Decode with the full depth (rare: the body reaches the limit) and check it."""
+        full = cbor2.CBORDecoder(self._fp, **{**_DECODER_OPTIONS, "max_depth": self._depth})
         try:
-            value = self._full.decode()
+            value = full.decode()
         except Exception as exc:
             raise _invalid(exc) from None
         _check_depth(value, self._depth)

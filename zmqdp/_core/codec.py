@@ -77,6 +77,7 @@ WAKE = b"\x02"
 CALL = b"\x03"
 
 _MISSING: Any = object()
+_new_output = tuple.__new__  # builds an `Output` without its keyword-handling __new__
 
 
 # -- field checks ---------------------------------------------------------------------
@@ -355,12 +356,14 @@ def _output(item: Any) -> Output:
             request_id=rid,
         )
     body = item.get("body")
-    if body is not None:
+    kind = type(body)
+    if kind is not str and kind is not float and body is not None and kind is not bool:
+        # containers, integers (range) and anything else get the full check
         try:
             cbor.check_value(body)
         except ProtocolError as exc:
             raise exc.at(request_id=rid) from None
-    return Output(rid, body, finish)
+    return _new_output(Output, (rid, body, finish))
 
 
 def _load(value: Any) -> Load:

@@ -56,6 +56,8 @@ from .errors import DuplicateRequestId
 from .messages import Output
 from .routing import Routing
 
+_new_output = tuple.__new__  # builds an `Output` without its keyword-handling __new__
+
 __all__ = ["RECENT_ENDED", "BatchEffects", "Ended", "Outcome", "RequestBook"]
 
 RECENT_ENDED = 65536
@@ -237,14 +239,14 @@ class RequestBook(Generic[H]):
         live = self._live
         by_app = self._by_app
         released: list[str] = []
-        for out in outputs:
-            wid = out.request_id
+        deliver = fx.deliveries.append
+        for wid, body, finish in outputs:
             entry = live.get(wid)
             if entry is None or entry.rank != rank:
                 self._stray(fx, wid, rank)
                 continue
-            fx.deliveries.append((entry.handle, Output(entry.request_id, out.body, out.finish)))
-            if out.finish is not None:
+            deliver((entry.handle, _new_output(Output, (entry.request_id, body, finish))))
+            if finish is not None:
                 del live[wid]
                 del by_app[entry.request_id]
                 self._remember(wid, rank)

@@ -1,0 +1,91 @@
+"""What the benchmark scripts share: interleaved rounds, rows of the results table, plots.
+
+These machines are noisy, so every figure is a *ratio* against a baseline measured in
+the same process, in rounds that alternate between the two (the median of each side is
+kept); absolute numbers are printed as context only. Each script can be run on its own
+(`python benchmarks/bench_x.py [--quick]`) or by `benchmarks/run_all.py`, which collects
+the rows each script saved under `benchmarks/results/` into `benchmarks/RESULTS.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PLOTS = HERE / "plots"
+sys.path.insert(0, str(HERE.parent))  # `zmqdp` from this checkout, `tests` helpers
+
+
+@dataclass
+class Row:
+    """One row of the results table."""
+
+    key: str
+    """The row of the performance issue it answers (P1a, P2, ...)."""
+    figure: str
+    ratio: float
+    target: str
+    """Like "≥ 0.40" or "≤ 1.5"."""
+    context: str
+    """Absolute numbers behind the ratio (context only)."""
+
+    @property
+    def met(self) -> bool:
+        op, _, value = self.target.partition(" ")
+        bound = float(value.rstrip(" µsKB"))
+        return self.ratio >= bound if op == "≥" else self.ratio <= bound
+
+
+def interleave(rounds: int, **runs: Callable[[], float]) -> dict[str, list[float]]:
+    """Run each callable once per round, alternating; every measurement, by name."""
+    out: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            out[name].append(run())
+    return out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> None:
+    """Print the rows and save them for `run_all.py`."""
+    RESULTS.mkdir(exist_ok=True)
+    data = {"rows": [asdict(r) for r in rows], "extra": extra or {}}
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
+    for r in rows:
+        mark = "met" if r.met else "NOT met"
+        print(f"{r.key:4} {r.figure}: ratio {r.ratio:.3g} (target {r.target}, {mark}); {r.context}")
+
+
+def plot(name: str, draw: Callable[[Any], None], title: str) -> Path | None:
+    """Draw with matplotlib (the `bench` extra) into `benchmarks/plots/<name>.png`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        print(f"(no plot {name}.png: pip install 'zmqdp[bench]' for matplotlib)")
+        return None
+    PLOTS.mkdir(exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    draw(ax)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    path = PLOTS / f"{name}.png"
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"plot: {path.relative_to(HERE.parent)}")
+    return path

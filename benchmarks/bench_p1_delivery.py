@@ -1,0 +1,177 @@
+"""P1: outputs delivered per second to many consuming streams.
+
+    .venv/bin/python benchmarks/bench_p1_delivery.py [--quick] [--rounds 5]
+
+An engine process (`_engines.blast`) sends `tokens` outputs for each of `streams`
+requests, 64 outputs per batch, as fast as it can; `streams` consumer tasks read their
+streams to the end. Outputs/s is counted from the last submit to the last stream end.
+
+* P1a, ÷ the decode ceiling: the same batches, from the same kind of engine process,
+  received by a bare blocking `recv_multipart` loop and decoded by plain `cbor2.loads`
+  (what any client must at least do, with no checks, no routing, no streams).
+* P1b, ÷ a per-output memory channel: the same client with a `RequestStream` subclass
+  that does one `trio` memory-channel send per output and one receive per output (the
+  obvious design).
+
+Rounds alternate; medians are kept. A plot of outputs/s against the number of streams
+goes to benchmarks/plots/p1_delivery.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from typing import Any
+
+import cbor2
+import trio
+import zmq
+from _engines import blast, engine_process, plain_blast
+from _harness import Row, median, plot, save
+
+from zmqdp import EngineGroup, Output, Request
+from zmqdp.stream import RequestStream
+
+BATCH = 64
+
+
+class ChannelStream(RequestStream):
+    """The baseline stream: one memory-channel send per output, one receive per output."""
+
+    __slots__ = ("_rx", "_tx")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._tx, self._rx = trio.open_memory_channel[Output](math.inf)
+
+    def deliver(self, out: Output) -> bool:
+        self._tx.send_nowait(out)
+        return True
+
+    def notify(self) -> None:
+        pass
+
+    def finish(self, outcome: Any, error: BaseException | None = None) -> None:
+        super().finish(outcome, error)
+        self._tx.close()
+
+    async def receive(self) -> Output:
+        return await self._rx.receive()
+
+
+async def client_round(group: EngineGroup, streams: int, tokens: int, channel: bool) -> float:
+    type(group)._for_testing_stream_class = ChannelStream if channel else RequestStream
+    delivered = 0
+
+    async def consume(stream: RequestStream) -> None:
+        nonlocal delivered
+        async with stream:
+            async for _ in stream:
+                delivered += 1
+
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(consume, group.submit(Request(f"r{i}", None)))
+        start = time.perf_counter()
+    elapsed = time.perf_counter() - start
+    type(group)._for_testing_stream_class = RequestStream
+    assert delivered == streams * tokens, delivered
+    return delivered / elapsed
+
+
+def plain_round(router: Any, streams: int, tokens: int) -> float:
+    """The decode ceiling: blocking receive and plain cbor2 decode, nothing else."""
+    total = streams * tokens
+    router.send_multipart([b"\x00\x00", b"go"])
+    start = time.perf_counter()
+    seen = 0
+    recv = router.recv_multipart
+    loads = cbor2.loads
+    while seen < total:
+        _, body = recv()
+        seen += len(loads(body)["outputs"])
+    return total / (time.perf_counter() - start)
+
+
+async def measure(streams: int, tokens: int, rounds: int) -> dict[str, list[float]]:
+    directory = tempfile.mkdtemp(prefix="zmqdp-p1-")
+    url, plain = f"ipc://{directory}/g", f"ipc://{directory}/plain"
+    ctx: Any = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(plain)
+    try:
+        with (
+            engine_process(blast, url, streams, tokens, BATCH),
+            engine_process(plain_blast, plain, streams, tokens, BATCH, rounds),
+        ):
+            async with EngineGroup.connect(url, 1, ready_timeout=30) as group:
+                await client_round(group, streams, tokens, False)  # warm up
+                router.recv_multipart()  # the plain engine is connected
+                results: dict[str, list[float]] = {"zmqdp": [], "plain": [], "channel": []}
+                for _ in range(rounds):
+                    results["zmqdp"].append(await client_round(group, streams, tokens, False))
+                    results["plain"].append(plain_round(router, streams, tokens))
+                    results["channel"].append(await client_round(group, streams, tokens, True))
+                return results
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+def medians(results: dict[str, list[float]]) -> dict[str, float]:
+    return {k: median(v) for k, v in results.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one size, fewer rounds (CI)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=100)
+    args = parser.parse_args()
+    rounds = 2 if args.quick else args.rounds
+    sizes = [1000] if args.quick else [10, 100, 1000]
+    by_size = {}
+    for streams in sizes:
+        tokens = max(args.tokens, 100_000 // streams) if not args.quick else 50
+        by_size[streams] = medians(trio.run(measure, streams, tokens, rounds))
+        m = by_size[streams]
+        print(
+            f"{streams:5} streams: zmqdp {m['zmqdp']:,.0f}  plain decode {m['plain']:,.0f}"
+            f"  channel {m['channel']:,.0f} outputs/s"
+        )
+    m = by_size[1000]
+    save(
+        "p1_delivery",
+        [
+            Row(
+                "P1a",
+                "outputs/s to 1000 consuming streams ÷ receive + plain cbor2 decode",
+                m["zmqdp"] / m["plain"],
+                "≥ 0.40",
+                f"{m['zmqdp']:,.0f} vs {m['plain']:,.0f} outputs/s",
+            ),
+            Row(
+                "P1b",
+                "outputs/s to 1000 consuming streams ÷ one memory-channel send per output",
+                m["zmqdp"] / m["channel"],
+                "≥ 2.5",
+                f"{m['zmqdp']:,.0f} vs {m['channel']:,.0f} outputs/s",
+            ),
+        ],
+        {"by_size": by_size},
+    )
+
+    def draw(ax: Any) -> None:
+        for name in ("zmqdp", "channel", "plain"):
+            ax.plot(sizes, [by_size[s][name] for s in sizes], marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("consuming streams")
+        ax.set_ylabel("outputs/s")
+
+    plot("p1_delivery", draw, "P1: outputs/s against the number of streams")
+
+
+if __name__ == "__main__":
+    main()
