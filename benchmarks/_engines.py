@@ -11,7 +11,7 @@ the epoch) and then plays one part:
 * `paced`: answers each ADD with `tokens` outputs, one every `interval` seconds, each
   carrying `time.monotonic()` at the moment it was sent (monotonic is one clock for
   every process of this machine);
-* `sink`: reads and counts ADDs (for the submit benchmark), reporting every `report`.
+* `sink`: reads every request and never answers (for the submit benchmark).
 
 `plain_*` variants send the same batches to a bare ROUTER address (no handshake), for
 the baselines that receive with a bare pyzmq loop.
@@ -129,14 +129,10 @@ def plain_paced(address: str, tokens: int, interval: float) -> None:
     out.close(linger=-1)
 
 
-def sink(url: str, report: int) -> None:
-    engine = Engine(url)
-    count = 0
+def sink(url: str, rank: int = 0, size: int = 1) -> None:
+    engine = Engine(url, rank, size)
     while True:
         engine.inp.recv_multipart()
-        count += 1
-        if count % report == 0:
-            engine.out.send(engine.batch([]))  # "seen another `report` ADDs"
 
 
 def plain_sink(address: str, count: int) -> None:
