@@ -1,0 +1,254 @@
+"""The selection index of `Routing` chooses exactly what the linear scan chooses.
+
+`SelectMachine` drives two `Routing` objects of the same size in lockstep, one forced
+onto the index (`tree=True`) and one onto the scan (`tree=False`), through random
+operations with many ties, and requires the same choices, the same errors and the same
+scores, loads and in-flight ids after every step. It also checks every unpinned choice
+against the rule written out here (the first strictly lowest score of an up rank, in
+order from a start that rotates by one per unpinned pick). Two deliberately broken
+variants of the index show that the machine can fail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from zmqdp._core.errors import InvalidRank, NoEngineAvailable
+from zmqdp._core.messages import Load
+from zmqdp._core.routing import Routing
+
+MAX_RANKS = 40
+IDS = st.integers(0, 23).map(lambda i: f"r{i}")  # a small pool: duplicates, re-use
+ANY_RANK = st.integers(0, MAX_RANKS + 1)  # folded into -1 .. n by `_rank`
+COUNTS = st.integers(0, 3)  # small queue counts: many equal scores
+KV = st.sampled_from([math.nan, 0.0, 1.0, 0.75, 0.5])
+SEQ = st.none() | st.integers(0, 6)
+
+
+def outcome(call: Callable[[], Any]) -> tuple[Any, ...]:
+    """What `call` did: its result, or the type and message of what it raised."""
+    try:
+        return ("ok", call())
+    except (InvalidRank, NoEngineAvailable, IndexError) as exc:
+        return ("raised", type(exc), str(exc))
+
+
+def snapshot(routing: Routing, rank: int) -> tuple[Any, ...]:
+    load = routing.load(rank)
+    return (
+        routing.is_up(rank),
+        routing.score(rank),
+        routing.inflight_ids(rank),
+        (load.waiting, load.running, repr(load.kv)),  # repr: NaN equals NaN
+    )
+
+
+class SelectMachine(RuleBasedStateMachine):
+    """Subclass and set `tree_cls` to run a variant of the index against the scan."""
+
+    tree_cls: type[Routing] = Routing
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    @initialize(n=st.integers(1, MAX_RANKS), up=st.booleans())
+    def setup(self, n: int, up: bool) -> None:
+        self.n = n
+        self.tree = self.tree_cls(n, up=up, tree=True)
+        self.linear = Routing(n, up=up, tree=False)
+        self.start = 0  # the model's rotation
+
+    def _rank(self, r: int) -> int:
+        """-1 .. n: both ends are out of range (-1 is the last rank to the lists)."""
+        return r % (self.n + 2) - 1
+
+    def _both(self, op: Callable[[Routing], Any]) -> Any:
+        got = outcome(lambda: op(self.tree))
+        expected = outcome(lambda: op(self.linear))
+        assert got == expected, f"index: {got}, scan: {expected}"
+        return got
+
+    def _expected_pick(self) -> int | None:
+        """The rule, from the scan's public state: None if no rank can be chosen."""
+        best, best_score = None, math.inf
+        for offset in range(self.n):
+            r = (self.start + offset) % self.n
+            if self.linear.is_up(r) and self.linear.score(r) < best_score:
+                best, best_score = r, self.linear.score(r)
+        return best
+
+    # -- rules ------------------------------------------------------------------------
+
+    @rule(request_id=IDS)
+    def select(self, request_id: str) -> None:
+        expected = self._expected_pick()
+        got = self._both(lambda routing: routing.select(request_id, name="app"))
+        self.start = (self.start + 1) % self.n
+        if expected is None:
+            assert got[:2] == ("raised", NoEngineAvailable), got
+        else:
+            assert got == ("ok", expected), f"picked {got}, the rule says rank {expected}"
+
+    @rule(request_id=IDS, r=ANY_RANK)
+    def select_pinned(self, request_id: str, r: int) -> None:
+        rank = self._rank(r)
+        got = self._both(lambda routing: routing.select(request_id, rank))
+        if 0 <= rank < self.n and self.linear.is_up(rank):
+            assert got == ("ok", rank), got
+        else:
+            assert got[:2] == ("raised", InvalidRank), got
+
+    @rule(r=ANY_RANK, ids=st.lists(IDS, max_size=4))
+    def release(self, r: int, ids: list[str]) -> None:
+        rank = self._rank(r)
+        self._both(lambda routing: routing.release(rank, iter(ids)))  # an iterator, once
+
+    @rule(r=ANY_RANK, extra=st.lists(IDS, max_size=2))
+    def release_all_held(self, r: int, extra: list[str]) -> None:
+        """Empties the set (the load zeroing), with unheld and duplicate ids mixed in."""
+        rank = r % self.n
+        ids: Iterable[str] = [*sorted(self.linear.inflight_ids(rank)), *extra, *extra]
+        self._both(lambda routing: routing.release(rank, ids))
+
+    @rule(r=ANY_RANK, waiting=COUNTS, running=COUNTS, kv=KV, seq=SEQ)
+    def observe_load(self, r: int, waiting: int, running: int, kv: float, seq: int | None) -> None:
+        rank = self._rank(r)
+        self._both(lambda routing: routing.observe_load(rank, Load(waiting, running, kv), seq))
+
+    @rule(r=ANY_RANK)
+    def set_up(self, r: int) -> None:
+        rank = self._rank(r)
+        self._both(lambda routing: routing.set_up(rank))
+
+    @rule(r=ANY_RANK)
+    def take_down(self, r: int) -> None:
+        rank = self._rank(r)
+        self._both(lambda routing: routing.take_down(rank))
+
+    # -- invariants -------------------------------------------------------------------
+
+    @invariant()
+    def same_state(self) -> None:
+        for rank in range(self.n):
+            got, expected = snapshot(self.tree, rank), snapshot(self.linear, rank)
+            assert got == expected, f"rank {rank}: index {got}, scan {expected}"
+
+
+TestSelect = SelectMachine.TestCase
+# Its own budget, so the CI profile (500 examples) stays within a few seconds too.
+TestSelect.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+
+
+# -- worked examples ------------------------------------------------------------------
+
+
+def test_the_index_is_used_from_the_threshold() -> None:
+    small, large = Routing(Routing.TREE_MIN_SIZE - 1), Routing(Routing.TREE_MIN_SIZE)
+    assert small._tree is None and large._tree is not None
+    assert Routing(2, tree=True)._tree is not None and Routing(256, tree=False)._tree is None
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["index", "scan"])
+def test_cold_start_ties_rotate_round_robin(tree: bool) -> None:
+    routing = Routing(256, up=True, tree=tree)
+    assert [routing.select(f"a{i}") for i in range(512)] == [*range(256), *range(256)]
+    for rank in range(256):
+        routing.release(rank, [f"a{rank}", f"a{rank + 256}"])
+    # Released each time: all tied again, and the rotation alone decides.
+    picks = []
+    for i in range(300):
+        picks.append(routing.select(f"b{i}"))
+        routing.release(picks[-1], [f"b{i}"])
+    assert picks == [i % 256 for i in range(300)]
+    # A pinned pick does not move the rotation (it only loads its rank).
+    routing.select("pinned", 200)
+    assert routing.select("c") == 300 % 256
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["index", "scan"])
+def test_a_down_rank_is_never_chosen(tree: bool) -> None:
+    routing = Routing(256, up=True, tree=tree)
+    for rank in range(256):
+        if rank % 3:  # the up ranks are busy, the ones about to go down idle
+            routing.select(f"busy{rank}", rank)
+            routing.observe_load(rank, Load(waiting=2, running=5, kv=0.9), seq=1)
+    for rank in range(0, 256, 3):
+        routing.take_down(rank)
+    picks = {routing.select(f"r{i}") for i in range(1000)}
+    assert picks and not any(rank % 3 == 0 for rank in picks)
+    routing.set_up(99)  # idle again, the lowest score: the next pick
+    assert routing.select("back") == 99
+    for rank in range(256):
+        routing.take_down(rank)
+    with pytest.raises(NoEngineAvailable):
+        routing.select("none", name="app")
+    with pytest.raises(InvalidRank, match="down"):
+        routing.select("pinned", 5)
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["index", "scan"])
+def test_nan_kv_adds_nothing(tree: bool) -> None:
+    routing = Routing(16, up=True, tree=tree)
+    for rank in range(16):
+        routing.select(f"held{rank}", rank)
+        routing.observe_load(rank, Load(waiting=4, running=4, kv=1.0), seq=1)  # 8 + 12 = 20
+    routing.observe_load(5, Load(waiting=4, running=4, kv=math.nan), seq=2)  # 8
+    routing.observe_load(9, Load(waiting=4, running=4, kv=0.75), seq=2)  # 8 + 6 = 14
+    assert [routing.score(r) for r in (5, 9, 0)] == [8.0, 14.0, 20.0]
+    assert routing.select("x") == 5
+    assert not math.isnan(routing.score(5))
+
+
+# -- the machine can fail: broken variants of the index -------------------------------
+
+
+class BreaksTiesLow(Routing):
+    """Takes the lowest rank among the minima: the start (the rotation) is ignored."""
+
+    def _first_minimum(self, start: int) -> int:
+        return super()._first_minimum(0)
+
+
+class ForgetsReleaseInIndex(Routing):
+    """Frees the slots but leaves the index holding the score from before."""
+
+    def release(self, rank: int, request_ids: Iterable[str]) -> None:
+        tree, self._tree = self._tree, None
+        try:
+            super().release(rank, request_ids)
+        finally:
+            self._tree = tree
+
+
+HUNT = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    report_multiple_bugs=False,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # catching, not shrinking
+)
+
+
+@pytest.mark.parametrize(
+    "variant", [BreaksTiesLow, ForgetsReleaseInIndex], ids=lambda c: c.__name__
+)
+def test_the_machine_catches(variant: type[Routing]) -> None:
+    machine = type(f"SelectMachineWith{variant.__name__}", (SelectMachine,), {"tree_cls": variant})
+    with pytest.raises(AssertionError, match=r"index|rule says"):
+        run_state_machine_as_test(machine, settings=HUNT)
