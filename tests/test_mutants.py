@@ -93,8 +93,9 @@ def test_wave_machine_catches(clock: type[Any]) -> None:
 
 @pytest.mark.parametrize("clock", WAVE_MUTANTS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("self_wake", [False, True], ids=["waits-for-wake", "self-wake"])
-def test_exhaustive_search_catches(clock: type[Any], self_wake: bool) -> None:
-    result = search(Config(ranks=2, requests=2, self_wake=self_wake), clock)
+@pytest.mark.parametrize("coalesce", [False, True], ids=["each-answer", "one-per-pass"])
+def test_exhaustive_search_catches(clock: type[Any], self_wake: bool, coalesce: bool) -> None:
+    result = search(Config(ranks=2, requests=2, self_wake=self_wake, coalesce=coalesce), clock)
     assert result.problem is not None, f"{clock.__name__} survived {result.states} states"
     assert result.counterexample
 

@@ -62,6 +62,13 @@ SMALL = [
     for self_wake in (False, True)
     for after_adds in (False, True)
 ] + [Config(3, 3, 1, 1, self_wake, False) for self_wake in (False, True)]
+# The dispatcher answers the start_waves of one pass with one WAKE(c) (coalesce).
+SMALL += [
+    Config(ranks, requests, steps, sync, self_wake, after_adds, coalesce=True)
+    for ranks, requests, steps, sync in [(2, 2, 1, 1), (2, 2, 2, 2), (3, 2, 1, 1), (2, 3, 1, 2)]
+    for self_wake in (False, True)
+    for after_adds in (False, True)
+]
 LARGE = [Config(3, 3, 1, 1, self_wake, True) for self_wake in (False, True)] + [
     Config(2, 4, 1, 2, self_wake, after) for self_wake in (False, True) for after in (False, True)
 ]

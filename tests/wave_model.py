@@ -14,7 +14,10 @@ Messages are FIFO per pipe (one pipe each way per rank). A rank handles its inbo
 between steps (a group step is one atomic transition), and the group steps only when
 every rank is running: a running rank whose peers are parked is blocked in its
 collective. The client is the real `WaveClock` (or a mutant): it sends WAKE(c) to every
-rank when `start_wave` returns a wave, and optionally after each ADD.
+rank when `start_wave` returns a wave, and optionally after each ADD. With `coalesce`
+(what zmqdp's dispatcher does), the answers to the `start_wave`s of one dispatcher pass
+are one WAKE(c), sent at the end of the pass with the clock as it is then: the client
+may take any number of further messages before it sends (`client_flush`).
 
 `search()` explores every interleaving breadth-first; `WaveMachine` lets Hypothesis
 pick interleavings. Both check the same property: when nothing more can happen, every
@@ -43,6 +46,7 @@ class Config:
     sync: int = 1  # sync interval: the group decides whether to park every `sync` steps
     self_wake: bool = False  # a parked rank that gets an ADD starts running at once
     wake_after_adds: bool = True  # the client sends WAKE(c) after each ADD
+    coalesce: bool = False  # start_wave answers wait for the end of the client's pass
 
 
 class Rank:
@@ -69,6 +73,7 @@ class World:
         self.ranks = [Rank() for _ in range(cfg.ranks)]
         self.to_rank: list[deque[tuple[str, int]]] = [deque() for _ in range(cfg.ranks)]
         self.to_client: list[deque[tuple[str, int]]] = [deque() for _ in range(cfg.ranks)]
+        self.wake_due = False  # coalesce: a start_wave is not answered yet
 
     def clone(self) -> World:
         w = copy.copy(self)
@@ -89,6 +94,7 @@ class World:
             self.clock.wave,
             getattr(self.clock, "believed_running", None),
             self.submitted,
+            self.wake_due,
             frozenset(self.done),
             tuple(r.key() for r in self.ranks),
             tuple(tuple(q) for q in self.to_rank),
@@ -113,9 +119,18 @@ class World:
         if kind == "complete":
             self.clock.wave_complete(value)
         elif kind == "start":
-            self._wake_all(self.clock.start_wave(value))
+            wave = self.clock.start_wave(value)
+            if self.cfg.coalesce and wave is not None:
+                self.wake_due = True  # answered by `client_flush`, at the end of the pass
+            else:
+                self._wake_all(wave)
         else:
             self.done.add(value)
+
+    def client_flush(self, _: int = 0) -> None:
+        """The end of a dispatcher pass: one WAKE(c) answers every start_wave in it."""
+        self.wake_due = False
+        self._wake_all(self.clock.wave)
 
     # -- engines ----------------------------------------------------------------------
 
@@ -160,6 +175,8 @@ class World:
                 yield ("client_receive", rank)
         if all(r.running for r in self.ranks):
             yield ("group_step", 0)
+        if self.wake_due:
+            yield ("client_flush", 0)
 
     def apply(self, action: tuple[str, int]) -> None:
         name, arg = action
@@ -246,6 +263,7 @@ class WaveMachine(RuleBasedStateMachine):
         sync=st.integers(1, 3),
         self_wake=st.booleans(),
         wake_after_adds=st.booleans(),
+        coalesce=st.booleans(),
     )
     def setup(self, **kw: Any) -> None:
         self.world = World(Config(**kw), self.clock_cls())
@@ -270,6 +288,10 @@ class WaveMachine(RuleBasedStateMachine):
     def group_step(self) -> None:
         self._do("group_step", 0)
 
+    @rule()
+    def client_flush(self) -> None:
+        self._do("client_flush", 0)
+
     def _do(self, name: str, arg: int) -> None:
         assert self.world is not None
         arg %= self.world.cfg.ranks
@@ -291,7 +313,13 @@ class WaveMachine(RuleBasedStateMachine):
             actions = list(world.actions())
             if not actions:
                 break
-            order = {"deliver": 0, "client_receive": 1, "group_step": 2, "submit": 3}
+            order = {
+                "deliver": 0,
+                "client_receive": 1,
+                "client_flush": 2,
+                "group_step": 3,
+                "submit": 4,
+            }
             world.apply(min(actions, key=lambda a: (order[a[0]], a[1])))
         else:
             raise AssertionError(f"no quiescence after 10000 steps: {world.describe()}")

@@ -216,7 +216,8 @@ class GroupStatistics:
     unknown_outputs: int
     """Entries naming a wire id the client never issued, or one live on another rank."""
     wakes: int
-    """WAKE rounds sent to the whole group (answers to `start_wave`, after ADDs)."""
+    """WAKE rounds sent to the whole group: after a run of ADDs, and at the end of a
+    dispatcher pass that took `start_wave`s (one round answers all of them)."""
     stall_wakes: int
     """Extra WAKEs for a stalled lockstep rank; a correct group needs none."""
     fallbacks: int
@@ -299,6 +300,8 @@ class EngineGroup(metaclass=NoPublicConstructor):
         self._held: dict[int, collections.deque[list[bytes]]] = {}
         self._held_bytes: dict[int, int] = {}
         self._held_limit = 4 * max_message_size
+        self._wake_due = False  # a start_wave of this dispatcher pass awaits its WAKE
+        self._wake_rounds = 0
 
     # -- connecting -------------------------------------------------------------------
 
@@ -498,7 +501,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             stale_messages=c.stale_messages,
             late_outputs=c.late_outputs,
             unknown_outputs=c.unknown_outputs,
-            wakes=core.clock.wakes if core.clock is not None else 0,
+            wakes=self._wake_rounds,
             stall_wakes=c.stall_wakes,
             fallbacks=t.handshake.fallbacks + t.input.fallbacks + t.output.fallbacks,
             rejected_hellos=t.rejected_hellos,
@@ -580,8 +583,15 @@ class EngineGroup(metaclass=NoPublicConstructor):
             for stream in dirty:
                 stream.notify()
             clock = core.clock
-            if clock is not None and clock.wave != self._wave.value:
-                self._wave.value = clock.wave
+            if clock is not None:
+                if self._wake_due:
+                    # One WAKE(c) answers every start_wave of this pass (docs/protocol.md
+                    # §5; the wave model checks this, `coalesce`): a pass that took the
+                    # start_waves of 8 ranks sent 8 rounds of 8 WAKEs before.
+                    self._wake_due = False
+                    self._wake_all(clock.wave)
+                if clock.wave != self._wave.value:
+                    self._wave.value = clock.wave
             if self._long:
                 await trio.lowlevel.checkpoint()  # consumers and other tasks run
 
@@ -640,7 +650,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             for ended in fx.ended:
                 ended.handle.finish(ended.outcome, core.ending_error(ended))
         if result.wake is not None:
-            self._wake_all(result.wake)
+            self._wake_due = True  # answered at the end of this dispatcher pass
         for reply in result.replies:
             if reply.error is not None:
                 self._calls.fail(reply.call, rank, reply.error)
@@ -674,11 +684,13 @@ class EngineGroup(metaclass=NoPublicConstructor):
             log.warning(
                 "lockstep group: a rank has waiting work and no progress; WAKE(%d) again", wake
             )
-            self._wake_all(wake)
+            self._wake_all(wake, stall=True)
         for rank, cause in dead:
             self._rank_dead(rank, cause)
 
-    def _wake_all(self, wave: int) -> None:
+    def _wake_all(self, wave: int, *, stall: bool = False) -> None:
+        if not stall:  # stall WAKEs are counted by the core (`stall_wakes`)
+            self._wake_rounds += 1
         frames = encode_request(Wake(wave))
         for rank in range(self.size):
             if self._core.is_up(rank):
