@@ -128,7 +128,7 @@ async def long_batch(outputs: int, whole: bool) -> tuple[float, float]:
                 nursery.start_soon(ticker)
                 start = time.perf_counter()
                 engine.out.send(body, zmq.NOBLOCK)
-                while sum(len(s._buffer) for s in streams) < outputs:  # noqa: ASYNC110
+                while sum(len(s._buffer or ()) for s in streams) < outputs:  # noqa: ASYNC110
                     await trio.sleep(0.001)  # a coarse poll: the ticker measures the stalls
                 took = time.perf_counter() - start
                 stop.set()

@@ -76,7 +76,9 @@ class RequestStream(metaclass=NoPublicConstructor):
         """How the request ended; None while it is live."""
         self._on_close = on_close
         self._limit = sys.maxsize if max_buffered is None else max_buffered
-        self._buffer: deque[Output] = deque()
+        # Made at the first output: an empty deque costs ~750 bytes, more than all the
+        # rest of a request's state (benchmarks/bench_p4_memory.py).
+        self._buffer: deque[Output] | None = None
         self._waiter: trio.lowlevel.Task | None = None
         self._done = False
         self._error: BaseException | None = None
@@ -88,6 +90,8 @@ class RequestStream(metaclass=NoPublicConstructor):
         buffering nothing, if `max_buffered` outputs are already waiting: the caller
         ends the request (`StreamOverflow`)."""
         buffer = self._buffer
+        if buffer is None:
+            buffer = self._buffer = deque()
         if len(buffer) >= self._limit:
             return False
         buffer.append(out)
@@ -121,6 +125,8 @@ class RequestStream(metaclass=NoPublicConstructor):
         for stream, out in deliveries:
             if type(stream) is RequestStream:  # inlined `deliver`
                 buffer = stream._buffer
+                if buffer is None:
+                    buffer = stream._buffer = deque()
                 if len(buffer) < stream._limit:
                     buffer.append(out)
                     add(stream)
@@ -170,8 +176,9 @@ class RequestStream(metaclass=NoPublicConstructor):
     def receive_nowait(self) -> Output:
         """The next buffered output. Raises `trio.WouldBlock` if none is buffered yet,
         and at the end of the stream `trio.EndOfChannel` or the request's error."""
-        if self._buffer:
-            return self._buffer.popleft()
+        buffer = self._buffer
+        if buffer:
+            return buffer.popleft()
         if self._done:
             raise self._end_of_stream()
         raise trio.WouldBlock
@@ -179,9 +186,10 @@ class RequestStream(metaclass=NoPublicConstructor):
     def drain_nowait(self) -> list[Output]:
         """Every buffered output, possibly none; at the end of the stream, with nothing
         left, raises `trio.EndOfChannel` or the request's error."""
-        if self._buffer:
-            out = list(self._buffer)
-            self._buffer.clear()
+        buffer = self._buffer
+        if buffer:
+            out = list(buffer)
+            buffer.clear()
             return out
         if self._done:
             raise self._end_of_stream()
@@ -216,8 +224,9 @@ class RequestStream(metaclass=NoPublicConstructor):
         stream: one stream has one consumer, as a trio channel's receive side.
         """
         await self._wait()
-        if self._buffer:
-            return self._buffer.popleft()
+        buffer = self._buffer
+        if buffer:
+            return buffer.popleft()
         raise self._end_of_stream()
 
     async def receive_batch(self) -> list[Output]:
