@@ -3,6 +3,7 @@
 
     python3 dev.py demo    run the demo (`python -m zmqdp demo`) on a mock engine group
     python3 dev.py check   run ruff, mypy --strict and the test suite
+    python3 dev.py bench   run every benchmark, write benchmarks/RESULTS.md and plots
 
 Only the standard library is used here, so a fresh machine with Python >= 3.11,
 pip and venv is enough. The virtualenv lives in `.venv/` and is reused; it is
@@ -40,12 +41,12 @@ def ensure_venv() -> None:
         print(f"+ creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
     _run(PY, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
-    _run(PY, "-m", "pip", "install", "--quiet", "-e", ".[test,dev,demo]")
+    _run(PY, "-m", "pip", "install", "--quiet", "-e", ".[test,dev,demo,bench]")
     STAMP.write_text(want)
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "check", "setup"}:
+    if not argv or argv[0] not in {"demo", "check", "setup", "bench"}:
         print(__doc__)
         return 2
     ensure_venv()
@@ -53,6 +54,8 @@ def main(argv: list[str]) -> int:
     try:
         if command == "demo":
             _run(PY, "-m", "zmqdp", "demo", *rest)
+        elif command == "bench":
+            _run(PY, ROOT / "benchmarks" / "run_all.py", *rest)
         elif command == "check":
             _run(BIN / "ruff", "check", ".")
             _run(BIN / "ruff", "format", "--check", ".")

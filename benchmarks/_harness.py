@@ -10,6 +10,7 @@ the rows each script saved under `benchmarks/results/` into `benchmarks/RESULTS.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -18,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-PLOTS = HERE / "plots"
+_OUT = Path(os.environ.get("ZMQDP_BENCH_DIR") or HERE)  # the smoke test writes elsewhere
+RESULTS = _OUT / "results"
+PLOTS = _OUT / "plots"
 sys.path.insert(0, str(HERE.parent))  # `zmqdp` from this checkout, `tests` helpers
 
 
@@ -87,5 +89,5 @@ def plot(name: str, draw: Callable[[Any], None], title: str) -> Path | None:
     path = PLOTS / f"{name}.png"
     fig.savefig(path)
     plt.close(fig)
-    print(f"plot: {path.relative_to(HERE.parent)}")
+    print(f"plot: {path}")
     return path

@@ -1,0 +1,106 @@
+"""Run every benchmark and write the results table.
+
+    .venv/bin/python benchmarks/run_all.py [--quick] [--out benchmarks/RESULTS.md]
+
+(`python3 dev.py bench` does this in the project's virtualenv, with the `bench` extra.)
+Each script runs in a process of its own and saves its rows under benchmarks/results/;
+this collects them into a markdown table (one row per figure of the performance issue:
+the ratio, its target, whether it is met, and the absolute numbers behind it) and lists
+the plots. `--quick` runs short versions, for a smoke test; their figures are noisier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _harness import PLOTS, RESULTS  # noqa: E402
+
+SCRIPTS = [
+    "bench_p1_delivery.py",
+    "bench_p2_submit.py",
+    "bench_p3_lockstep.py",
+    "bench_p4_memory.py",
+    "bench_p5_slow_rank.py",
+    "bench_select.py",
+    "bench_latency.py",
+]
+ORDER = ["P1a", "P1b", "P2", "P3", "P4", "P6", "lat", "P5"]
+ISSUE = {  # the figure as the performance issue measured it on the main it was filed on
+    "P1a": "0.24",
+    "P1b": "1.4 (2.0)",
+    "P2": "0.21",
+    "P3": "0.66",
+    "P4": "1.1 KB",
+    "P6": "147 µs",
+    "lat": "2.4",
+    "P5": "0.87",
+}
+
+
+def run(quick: bool) -> list[str]:
+    failed = []
+    for script in SCRIPTS:
+        cmd = [sys.executable, str(HERE / script), *(["--quick"] if quick else [])]
+        print(f"+ {' '.join(cmd[1:])}", flush=True)
+        start = time.perf_counter()
+        if subprocess.run(cmd, cwd=HERE).returncode != 0:
+            failed.append(script)
+        print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+    return failed
+
+
+def table(quick: bool) -> str:
+    rows = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        for row in json.loads(path.read_text())["rows"]:
+            rows[row["key"]] = row
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, "
+        f"{'quick runs (noisy)' if quick else 'full runs'}, with "
+        "`python benchmarks/run_all.py`. Each ratio is against a baseline run in the same "
+        "process (interleaved rounds, medians); P4 and P6 are absolute.",
+        "",
+        "| row | figure | ratio | target | met | at issue | absolute numbers |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key in ORDER:
+        r = rows.get(key)
+        if r is None:
+            lines.append(f"| {key} | (not run) | | | | {ISSUE.get(key, '')} | |")
+            continue
+        op, _, bound = r["target"].partition(" ")
+        value = float(bound.rstrip(" µsKB"))
+        met = r["ratio"] >= value if op == "≥" else r["ratio"] <= value
+        lines.append(
+            f"| {key} | {r['figure']} | {r['ratio']:.3g} | {r['target']} | "
+            f"{'yes' if met else 'no'} | {ISSUE.get(key, '')} | {r['context']} |"
+        )
+    plots = sorted(p.name for p in PLOTS.glob("*.png"))
+    lines += ["", "Plots: " + ", ".join(f"[{p}](plots/{p})" for p in plots), ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    args = parser.parse_args()
+    failed = run(args.quick)
+    text = table(args.quick)
+    args.out.write_text("# Benchmark results\n\n" + text)
+    print(text)
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
