@@ -58,6 +58,12 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def pct(values: list[float], q: float) -> float:
+    """The `q` quantile (0.99: p99) of `values`, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> None:
     """Print the rows and save them for `run_all.py`."""
     RESULTS.mkdir(exist_ok=True)

@@ -23,7 +23,7 @@ import cbor2
 import trio
 import zmq
 from _engines import engine_process, paced, plain_paced
-from _harness import Row, plot, save
+from _harness import Row, pct, plot, save
 
 from zmqdp import EngineGroup, Request
 
@@ -52,11 +52,6 @@ def plain_round(address: str, tokens: int, interval: float) -> list[float]:
         router.close(linger=0)
         ctx.term()
     return delays
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def measure(tokens: int, interval: float, rounds: int) -> dict[str, list[float]]:

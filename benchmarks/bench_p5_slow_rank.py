@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 import trio
-from _harness import Row, median, plot, save
+from _harness import Row, median, pct, plot, save
 
 from zmqdp import EngineGroup, Request
 from zmqdp._core.routing import Routing
@@ -34,11 +34,6 @@ class RoundRobin(Routing):
 
     def score(self, rank: int) -> float:
         return 0.0
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def one_round(url: str, requests: int, concurrency: int, seed: int) -> list[float]:

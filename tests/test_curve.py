@@ -9,6 +9,8 @@ refused without keys.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,21 @@ async def echo(url: str, rank: int, size: int, curve: EngineKeys, **kw: Any) -> 
             if isinstance(msg, Add) and msg.body != "hold":
                 out = Output(msg.id, {"rank": rank, "echo": msg.body}, "stop")
                 await eng.send(OutputBatch(rank=rank, outputs=(out,)))
+
+
+@asynccontextmanager
+async def echo_group(
+    tmp_path: Path, keys: tuple[ClientKeys, list[EngineKeys]]
+) -> AsyncIterator[EngineGroup]:
+    """A CURVE group of 2 `echo` engines with their own keys, on ipc under `tmp_path`."""
+    client, engine_keys = keys
+    url = f"ipc://{tmp_path}/g"
+    async with trio.open_nursery() as nursery:
+        for r in range(2):
+            nursery.start_soon(echo, url, r, 2, engine_keys[r])
+        async with EngineGroup.connect(url, 2, curve=client, ready_timeout=10) as group:
+            yield group
+        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ipc"])
@@ -125,52 +142,43 @@ async def test_a_foreign_key_is_refused_and_cannot_inject(
 async def test_an_allowed_key_claiming_another_ranks_identity_on_the_handshake_socket_is_refused(
     keys: tuple[ClientKeys, list[EngineKeys]], ctx: Any, tmp_path: Path
 ) -> None:
-    client, engine_keys = keys
-    url = f"ipc://{tmp_path}/g"
-    async with trio.open_nursery() as nursery:
-        for r in range(2):
-            nursery.start_soon(echo, url, r, 2, engine_keys[r])
-        async with EngineGroup.connect(url, 2, curve=client, ready_timeout=10) as group:
-            # rank 1's key says HELLO as rank 0: dropped, never answered, and rank 0,
-            # which keeps serving on its other connections, is left alone
-            impostor = RawEngine(ctx, url, 0, 2, options=curve_options(engine_keys[1]))
-            await impostor.hs.send([impostor.hello_body()])
-            await wait_until(lambda: group.statistics().impersonations == 1)
-            assert group.statistics().rejected_hellos == 0
-            assert group.rank_state(0).value is RankState.UP
-            assert await collect(group, Request("still", "x", 0)) == [
-                Output("still", {"rank": 0, "echo": "x"}, "stop")
-            ]
-            impostor.close()
-        nursery.cancel_scope.cancel()
+    engine_keys = keys[1]
+    async with echo_group(tmp_path, keys) as group:
+        # rank 1's key says HELLO as rank 0: dropped, never answered, and rank 0,
+        # which keeps serving on its other connections, is left alone
+        url = f"ipc://{tmp_path}/g"
+        impostor = RawEngine(ctx, url, 0, 2, options=curve_options(engine_keys[1]))
+        await impostor.hs.send([impostor.hello_body()])
+        await wait_until(lambda: group.statistics().impersonations == 1)
+        assert group.statistics().rejected_hellos == 0
+        assert group.rank_state(0).value is RankState.UP
+        assert await collect(group, Request("still", "x", 0)) == [
+            Output("still", {"rank": 0, "echo": "x"}, "stop")
+        ]
+        impostor.close()
 
 
 async def test_an_allowed_key_claiming_another_ranks_identity_on_the_output_socket_is_refused(
     keys: tuple[ClientKeys, list[EngineKeys]], ctx: Any, tmp_path: Path
 ) -> None:
-    client, engine_keys = keys
-    url = f"ipc://{tmp_path}/g"
-    async with trio.open_nursery() as nursery:
-        for r in range(2):
-            nursery.start_soon(echo, url, r, 2, engine_keys[r])
-        async with EngineGroup.connect(url, 2, curve=client, ready_timeout=10) as group:
-            # rank 1's key forges rank 0's terminal output: dropped. Having taken rank 0's
-            # output connection (ROUTER_HANDOVER), it makes rank 0 dead at once...
-            async with group.submit(Request("live", "hold", 0)) as stream:
-                out = raw(ctx, zmq.DEALER, rank_identity(0), curve_options(engine_keys[1]))
-                out.sock.connect(group._transport.output_address)
-                forged = {"rank": 0, "outputs": [{"id": stream.wire_id, "finish": "stop"}]}
-                out.send_nowait([cbor2.dumps(forged)])
-                with pytest.raises(EngineDead, match="another rank's key"):
-                    await stream.receive()
-                assert group.statistics().impersonations == 1
-            # ... and RESYNCed: the real engine reconnects, takes its identity back, serves.
-            await group.rank_state(0).wait_value(RankState.UP)
-            assert await collect(group, Request("after", "x", 0)) == [
-                Output("after", {"rank": 0, "echo": "x"}, "stop")
-            ]
-            out.close()
-        nursery.cancel_scope.cancel()
+    engine_keys = keys[1]
+    async with echo_group(tmp_path, keys) as group:
+        # rank 1's key forges rank 0's terminal output: dropped. Having taken rank 0's
+        # output connection (ROUTER_HANDOVER), it makes rank 0 dead at once...
+        async with group.submit(Request("live", "hold", 0)) as stream:
+            out = raw(ctx, zmq.DEALER, rank_identity(0), curve_options(engine_keys[1]))
+            out.sock.connect(group._transport.output_address)
+            forged = {"rank": 0, "outputs": [{"id": stream.wire_id, "finish": "stop"}]}
+            out.send_nowait([cbor2.dumps(forged)])
+            with pytest.raises(EngineDead, match="another rank's key"):
+                await stream.receive()
+            assert group.statistics().impersonations == 1
+        # ... and RESYNCed: the real engine reconnects, takes its identity back, serves.
+        await group.rank_state(0).wait_value(RankState.UP)
+        assert await collect(group, Request("after", "x", 0)) == [
+            Output("after", {"rank": 0, "echo": "x"}, "stop")
+        ]
+        out.close()
 
 
 def test_a_tcp_url_other_machines_can_reach_needs_keys_or_insecure(
