@@ -365,3 +365,53 @@ def test_ids_that_only_look_issued_are_strays_and_a_batch_of_them_is_cut_short(
     result = send(c, 0, 1.0, finished=strays)
     assert result.rest is None and "mostly strays" in (result.dead or "")
     assert c.counters.late_outputs + c.counters.unknown_outputs <= c.slice_entries
+
+
+def nested(levels: int) -> Any:
+    value: Any = 0
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["whole", "decoded-in-steps"])
+def test_a_body_at_the_depth_limit_then_more_entries_applies_on_both_paths(
+    stepped: bool,
+) -> None:
+    c = core()
+    if stepped:
+        c.incremental_bytes = 1
+    c.submit("a", None, "a", 0, now=0.0)
+    wid = wire(c, "a")
+    # the output body reaches nesting 64 in all; cbor2 left its decoder broken after the
+    # depth error of the first attempt, and the stepped path then misread `finished`
+    result = send(c, 0, 1.0, outputs=[{"id": wid, "body": nested(61)}], finished=[wid])
+    while result.rest is not None:
+        result = c.continue_batch(result.rest, 1.0)
+    assert result.dead is None
+    assert c.counters.truncated == 1
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["whole", "decoded-in-steps"])
+def test_a_dead_incarnations_batch_of_junk_is_stale_and_kills_nobody(stepped: bool) -> None:
+    c = core()
+    if stepped:
+        c.incremental_bytes = 1
+    body = cbor2.dumps(
+        {"rank": 0, "epoch": EPOCH[0] - 1, "finished": [f"x#{i}" for i in range(2000)]}
+    )
+    result = c.on_message([rank_identity(0), body], 1.0)[1]
+    assert (result.dead, result.rest, c.counters.stale_messages) == (None, None, 1)
+    assert c.is_up(0)
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["whole", "decoded-in-steps"])
+def test_replies_do_not_outweigh_junk(stepped: bool) -> None:
+    c = core()
+    if stepped:
+        c.incremental_bytes = 1
+    replies = [{"call": i, "result": None} for i in range(1500)]
+    result = send(c, 0, 1.0, finished=[f"x#{i}" for i in range(1500)], replies=replies)
+    while result.rest is not None and result.dead is None:
+        result = c.continue_batch(result.rest, 1.0)
+    assert "mostly strays" in (result.dead or "")

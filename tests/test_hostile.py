@@ -169,6 +169,50 @@ async def test_queued_heartbeats_are_read_before_silence_is_judged(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_silent_rank_is_judged_while_another_rank_keeps_the_socket_busy(
+    ctx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mirror of the test above: rank 1's heartbeats never stop coming, so the
+    dispatcher always has input; rank 0's silence must still be judged."""
+    url = f"ipc://{tmp_path}/g"
+    monkeypatch.setattr(EngineGroup, "_for_testing_stream_class", HoldsUpTheDispatcher)
+    async with group_in_background(url, 2, silence_timeout=0.3) as box:
+        silent = RawEngine(ctx, url, 0, 2)
+        chatty = RawEngine(ctx, url, 1, 2)
+        await silent.handshake()
+        init = await chatty.handshake()
+        group = await box.wait()
+        held = group.submit(Request("held", None, 0))
+        await silent.request()  # rank 0 holds work and never answers
+        group.submit(Request("slow", None, 1))
+        add = await chatty.request()
+        assert chatty.out is not None
+        out, stop = chatty.out.sock, threading.Event()
+        heartbeat = cbor2.dumps({"rank": 1, "epoch": init.epoch, "load": {"running": 0}})
+
+        def beat() -> None:
+            while not stop.wait(0.02):
+                out.send(heartbeat)
+
+        HoldsUpTheDispatcher.hold = 0.6  # the dispatcher is held past rank 0's deadline
+        await chatty.send_batch(
+            {"epoch": init.epoch, "outputs": [{"id": add.id, "body": 1, "finish": "stop"}]}
+        )
+        thread = threading.Thread(target=beat)
+        thread.start()
+        try:
+            with trio.move_on_after(3.0):  # 10 silence timeouts
+                await group.rank_state(0).wait_value(RankState.DOWN)
+            assert group.rank_state(0).value is RankState.DOWN
+            assert held.outcome is Outcome.FAILED
+            assert group.rank_state(1).value is RankState.UP
+        finally:
+            stop.set()
+            thread.join()
+        silent.close()
+        chatty.close()
+
+
 async def test_one_drain_holds_a_bounded_number_of_bytes(ctx: Any) -> None:
     pull = ZSocket(ctx.socket(zmq.PULL), max_bytes=2 << 20)
     pull.sock.bind("inproc://drain")
@@ -226,6 +270,35 @@ async def test_a_long_batch_of_one_rank_holds_up_no_other_rank(ctx: Any, tmp_pat
         assert [o.body for o in got] == list(range(n))  # in order, the held batch last
         long.close()
         short.close()
+
+
+async def test_a_rank_that_dies_inside_its_long_batch_leaves_the_dispatcher_serving(
+    ctx: Any, tmp_path: Path
+) -> None:
+    """The batch is judged junk while it is decoded in steps (so the rank dies in a
+    later round, with the rest of the batch and a heartbeat held behind it): both are
+    dropped with the incarnation, and the dispatcher goes on (it raised KeyError)."""
+    url = f"ipc://{tmp_path}/g"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ScriptedEngine(url, 1, 2).run)
+        async with group_in_background(url, 2) as box:
+            dying = RawEngine(ctx, url, 0, 2)
+            init = await dying.handshake()
+            group = await box.wait()
+            victim = group.submit(Request("victim", None, 0))
+            wire = (await dying.request()).id
+            pad = "p" * 40  # 1 MB in all: decoded in steps
+            good = [{"id": wire, "body": pad} for _ in range(5000)]
+            junk = [{"id": f"stray{i}", "body": pad} for i in range(20_000)]
+            await dying.send_batch({"epoch": init.epoch, "outputs": good + junk})
+            await dying.send_batch({"epoch": init.epoch, "load": {"running": 1}})
+            await group.rank_state(0).wait_value(RankState.DOWN)
+            assert await collect(group, Request("after", "x", 1)) == [Output("after", "x", "stop")]
+            st = group.statistics()
+            assert victim.outcome is Outcome.FAILED
+            assert (st.late_outputs, st.unknown_outputs, st.stale_messages) == (0, 0, 1)
+            dying.close()
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_batch_of_mostly_strays_is_a_connection_error(ctx: Any, tmp_path: Path) -> None:

@@ -93,3 +93,30 @@ async def test_a_second_reader_is_refused_and_a_cancelled_reader_can_retry() -> 
     s.deliver(Output("r", 7))
     s.notify()
     assert await s.receive() == Output("r", 7)
+
+
+async def test_a_second_reader_that_takes_a_woken_readers_output_never_hangs_it() -> None:
+    """Reader A is woken, reader B takes the output before A runs and parks: one of the
+    two gets BusyResourceError (before, A overwrote B as the waiter and B hung)."""
+    s = RequestStream._create("x", lambda s: None)
+    errors: list[BaseException] = []
+
+    async def read_all() -> None:
+        try:
+            async for _ in s:
+                pass
+        except trio.BusyResourceError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_all)  # A
+        await trio.testing.wait_all_tasks_blocked()
+        s.deliver(Output("x", 1))
+        s.notify()  # A is rescheduled, and has not run yet
+        assert (await s.receive()).body == 1  # B takes it without a schedule point
+        nursery.start_soon(read_all)  # B reads on
+        await trio.testing.wait_all_tasks_blocked()
+        s.deliver(Output("x", 2, "stop"))
+        s.notify()
+        s.finish(Outcome.FINISHED)
+    assert len(errors) == 1

@@ -234,8 +234,9 @@ class ZSocket:
         """
         self._claim()
         # One `send` per frame with plain int flags: pyzmq's send_multipart costs three
-        # times as much (enum flag arithmetic per frame). Only the first frame can fail
-        # (HWM, unknown peer): once it is queued, ZeroMQ takes the rest of the message.
+        # times as much (enum flag arithmetic per frame). On a ROUTER (the only socket
+        # zmqdp sends multipart messages on) only the first frame can fail (HWM, unknown
+        # peer): once it is queued, ZeroMQ takes the rest of the message.
         send = self.sock.send
         last = len(frames) - 1
         try:

@@ -104,6 +104,8 @@ log = logging.getLogger("zmqdp")
 
 _HELD_UP = 0.05
 """Seconds: a dispatcher that wakes this late was held up (see `_dispatch`)."""
+_DRAIN_BEFORE_JUDGING = 8
+"""Batches of 256 messages read before a silence is judged inside a busy round."""
 
 
 class RankState(enum.Enum):
@@ -577,9 +579,10 @@ class EngineGroup(metaclass=NoPublicConstructor):
                 self._take(frames, dirty)
             if in_hand:
                 self._advance_long(in_hand, dirty)
-                now = trio.current_time()
-                if now >= core.next_deadline():
-                    self._on_timeout(now)
+            if trio.current_time() >= core.next_deadline():
+                # Also judged when other ranks keep this task busy and the timer above
+                # never fires (a silent rank must not hide behind a chatty one).
+                self._judge_silence(dirty)
             for stream in dirty:
                 stream.notify()
             clock = core.clock
@@ -594,6 +597,20 @@ class EngineGroup(metaclass=NoPublicConstructor):
                     self._wave.value = clock.wave
             if self._long:
                 await trio.lowlevel.checkpoint()  # consumers and other tasks run
+
+    def _judge_silence(self, dirty: set[RequestStream]) -> None:
+        """A deadline passed while this task was busy: first read what is queued (the
+        heartbeats that arrived meanwhile, as the timer path does), up to
+        `_DRAIN_BEFORE_JUDGING` batches so a flood cannot postpone the judgement, then
+        judge at the time of judging."""
+        zs = self._transport.output
+        for _ in range(_DRAIN_BEFORE_JUDGING):
+            messages = zs.receive_nowait(256)
+            for frames in messages:
+                self._take(frames, dirty)
+            if len(messages) < 256:
+                break
+        self._on_timeout(trio.current_time())
 
     def _take(self, frames: list[bytes], dirty: set[RequestStream]) -> None:
         """One message from the output socket: applied now, or held behind its rank's
@@ -618,6 +635,15 @@ class EngineGroup(metaclass=NoPublicConstructor):
         if result.rest is not None:
             self._long[rank] = result.rest
 
+    def _drop_held(self, rank: int) -> None:
+        """`rank` died: the rest of its long batch and what was held behind it belong to
+        the incarnation that is gone (counted as stale, never applied)."""
+        self._long.pop(rank, None)
+        self._held_bytes.pop(rank, None)
+        held = self._held.pop(rank, None)
+        if held:
+            self._core.counters.stale_messages += len(held)
+
     def _advance_long(self, ranks: list[int], dirty: set[RequestStream]) -> None:
         """One slice of the long batch of each of `ranks`; a rank whose batch is done gets
         the messages held behind it applied, in order (until one is long again)."""
@@ -629,7 +655,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             if result.rest is not None:
                 self._long[rank] = result.rest
                 continue
-            del self._long[rank]
+            self._long.pop(rank, None)  # (gone already if the rank died in that slice)
             held = self._held.pop(rank, None)
             self._held_bytes.pop(rank, None)
             while held:
@@ -735,6 +761,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             ended.handle.finish(ended.outcome, error)
         if failure.rank is not None:
             self._transport.drop_queued(failure.rank)  # for an incarnation that is gone
+            self._drop_held(failure.rank)
         for rank, frames in failure.aborts:
             self._transport.send(rank, frames)
         if failure.forget is not None:

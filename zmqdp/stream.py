@@ -204,6 +204,10 @@ class RequestStream(metaclass=NoPublicConstructor):
             )
         await trio.lowlevel.checkpoint_if_cancelled()
         while not self._buffer and not self._done:
+            if self._waiter is not None:  # another reader took our output and parked
+                raise trio.BusyResourceError(
+                    f"request {self.request_id!r}: another task is already reading this stream"
+                )
             self._waiter = trio.lowlevel.current_task()
             await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
 

@@ -151,6 +151,11 @@ class _Item:
         try:
             return self._fast.decode()
         except Exception as exc:  # cbor2 wraps its own errors; be total regardless
+            # A cbor2 decoder that raised is left in a broken state (its next decode
+            # returns leftovers of the failed item): the next item gets a fresh one.
+            self._fast = cbor2.CBORDecoder(
+                self._fp, **{**_DECODER_OPTIONS, "max_depth": self._depth - 1}
+            )
             if "nesting depth" not in f"{exc} {exc.__cause__}":
                 raise _invalid(exc) from None
         self._fp.seek(start)

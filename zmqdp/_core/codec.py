@@ -584,15 +584,15 @@ class BatchDecoder:
     )
 
     def __init__(
-        self, data: bytes | memoryview, judge: Callable[[Any], bool] | None = None
+        self, data: bytes | memoryview, judge: Callable[[Any], bool | None] | None = None
     ) -> None:
         self._reader = cbor.MapReader(data)
         self._judge = judge
         self.junk = 0
-        """Entries decoded so far that `judge` called junk (the caller's stray rule can
-        stop a batch of junk long before it is all decoded)."""
+        """Entries decoded so far that `judge` called junk (True), so that the caller's
+        stray rule can stop a batch of junk long before it is all decoded."""
         self.known = 0
-        """Entries decoded so far that `judge` did not call junk."""
+        """Entries decoded so far that `judge` called known (False; None is neither)."""
         self._map: dict[str, Any] = {}
         self._left = self._reader.pairs
         self._array: list[Any] | None = None
@@ -616,9 +616,10 @@ class BatchDecoder:
                         entry = parse(value)
                         array.append(entry)
                         if judge is not None:
-                            if judge(entry):
+                            verdict = judge(entry)
+                            if verdict:
                                 self.junk += 1
-                            else:
+                            elif verdict is not None:
                                 self.known += 1
                     self._array_left -= 1
                     max_items -= 1
@@ -647,6 +648,11 @@ class BatchDecoder:
 
     def result(self, max_entries: int | None = None) -> tuple[OutputBatch, EntryCursor | None]:
         return _batch_from_map(self._map, max_entries, parsed=True)
+
+    def seen(self, key: str) -> Any:
+        """The raw value of a top-level key decoded so far (None if not yet, or absent):
+        the caller can tell a stale batch (`epoch`) before the body is all decoded."""
+        return self._map.get(key)
 
 
 def _parsed_or_bad(key: Literal["outputs", "finished", "replies"], parse: Any) -> Any:

@@ -524,9 +524,14 @@ class GroupCore(Generic[H]):
             return BatchResult()
         decoder = rest.decoder
         if decoder is not None:
+            health.last_heard = now  # a long body is arriving: the rank is not silent
             try:
                 done = decoder.step()
                 if decoder.junk > self.stray_limit and decoder.junk > decoder.known:
+                    epoch = decoder.seen("epoch")
+                    if type(epoch) is int and epoch != health.epoch:  # a dead one's (§2.3)
+                        self.counters.stale_messages += 1
+                        return BatchResult()
                     raise self._strays(decoder.junk, decoder.known)
                 if not done:
                     return BatchResult(rest=rest)
@@ -659,12 +664,13 @@ class GroupCore(Generic[H]):
             f"{known} that do: a batch of mostly strays"
         )
 
-    def _junk_judge(self, rank: int) -> Callable[[Any], bool]:
-        """For `BatchDecoder`: whether one decoded entry from `rank` is junk for the
-        stray rule (as `_entries` and `_bad_entries` tally the entries of a whole batch)."""
+    def _junk_judge(self, rank: int) -> Callable[[Any], bool | None]:
+        """For `BatchDecoder`: is one decoded entry from `rank` junk (True), known (False)
+        or neither (None) for the stray rule? Exactly as `_entries` and `_bad_entries`
+        tally the entries of a batch they apply."""
         known_on = self.book.known_on
 
-        def judge(entry: Any) -> bool:
+        def judge(entry: Any) -> bool | None:
             kind = type(entry)
             if kind is Output:
                 return not known_on(entry.request_id, rank)
@@ -672,9 +678,11 @@ class GroupCore(Generic[H]):
                 return not known_on(entry, rank)
             if kind is BadEntry:
                 if entry.key == "replies":
-                    return type(entry.id) is not int
-                return type(entry.id) is not str or not known_on(entry.id, rank)
-            return False  # a reply
+                    return None if type(entry.id) is int else True
+                if type(entry.id) is str and known_on(entry.id, rank):
+                    return None  # it names a request of this rank: it fails that one
+                return True
+            return None  # a reply
 
         return judge
 
