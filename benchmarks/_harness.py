@@ -39,7 +39,10 @@ class Row:
     """Absolute numbers behind the ratio (context only)."""
 
     @property
-    def met(self) -> bool:
+    def met(self) -> bool | None:
+        """None for a row without a target (context only)."""
+        if not self.target:
+            return None
         op, _, value = self.target.partition(" ")
         bound = float(value.rstrip(" µsKB"))
         return self.ratio >= bound if op == "≥" else self.ratio <= bound
@@ -70,8 +73,9 @@ def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> Non
     data = {"rows": [asdict(r) for r in rows], "extra": extra or {}}
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
     for r in rows:
-        mark = "met" if r.met else "NOT met"
-        print(f"{r.key:4} {r.figure}: ratio {r.ratio:.3g} (target {r.target}, {mark}); {r.context}")
+        verdict = "met" if r.met else "NOT met"
+        mark = "context" if r.met is None else f"target {r.target}, {verdict}"
+        print(f"{r.key:4} {r.figure}: ratio {r.ratio:.3g} ({mark}); {r.context}")
 
 
 def plot(name: str, draw: Callable[[Any], None], title: str) -> Path | None:

@@ -9,6 +9,10 @@ streams to the end. Outputs/s is counted from the last submit to the last stream
 * P1a, ÷ the decode ceiling: the same batches, from the same kind of engine process,
   received by a bare blocking `recv_multipart` loop and decoded by plain `cbor2.loads`
   (what any client must at least do, with no checks, no routing, no streams).
+* P1a', ÷ the same ceiling inside trio: the same batches received by this package's
+  trio socket wrapper (`ZSocket.receive_batch`, what the dispatcher uses) and decoded
+  by plain `cbor2.loads`. This is the ceiling of any trio client; P1a ÷ P1a' is what
+  waking up in trio costs on this machine (context for P1a, not a target).
 * P1b, ÷ a per-output memory channel: the same client with a `RequestStream` subclass
   that does one `trio` memory-channel send per output and one receive per output (the
   obvious design).
@@ -32,6 +36,7 @@ from _engines import blast, engine_process, plain_blast
 from _harness import Row, median, plot, save
 
 from zmqdp import EngineGroup, Output, Request
+from zmqdp._zmq import ZSocket
 from zmqdp.stream import RequestStream
 
 BATCH = 64
@@ -95,28 +100,48 @@ def plain_round(router: Any, streams: int, tokens: int) -> float:
     return total / (time.perf_counter() - start)
 
 
+async def trio_round(zs: ZSocket, streams: int, tokens: int) -> float:
+    """The decode ceiling inside trio: async receive in batches, plain cbor2 decode."""
+    total = streams * tokens
+    zs.send_nowait([b"\x00\x00", b"go"])
+    start = time.perf_counter()
+    seen = 0
+    loads = cbor2.loads
+    while seen < total:
+        for _, body in await zs.receive_batch(256):
+            seen += len(loads(body)["outputs"])
+    return total / (time.perf_counter() - start)
+
+
 async def measure(streams: int, tokens: int, rounds: int) -> dict[str, list[float]]:
     directory = tempfile.mkdtemp(prefix="zmqdp-p1-")
     url, plain = f"ipc://{directory}/g", f"ipc://{directory}/plain"
     ctx: Any = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.bind(plain)
+    zs = ZSocket(router)
     try:
         with (
             engine_process(blast, url, streams, tokens, BATCH),
-            engine_process(plain_blast, plain, streams, tokens, BATCH, rounds),
+            engine_process(plain_blast, plain, streams, tokens, BATCH, 2 * rounds),
         ):
             async with EngineGroup.connect(url, 1, ready_timeout=30) as group:
                 await client_round(group, streams, tokens, False)  # warm up
                 router.recv_multipart()  # the plain engine is connected
-                results: dict[str, list[float]] = {"zmqdp": [], "plain": [], "channel": []}
+                results: dict[str, list[float]] = {
+                    "zmqdp": [],
+                    "plain": [],
+                    "trio": [],
+                    "channel": [],
+                }
                 for _ in range(rounds):
                     results["zmqdp"].append(await client_round(group, streams, tokens, False))
                     results["plain"].append(plain_round(router, streams, tokens))
+                    results["trio"].append(await trio_round(zs, streams, tokens))
                     results["channel"].append(await client_round(group, streams, tokens, True))
                 return results
     finally:
-        router.close(linger=0)
+        zs.close()
         ctx.term()
 
 
@@ -139,6 +164,7 @@ def main() -> None:
         m = by_size[streams]
         print(
             f"{streams:5} streams: zmqdp {m['zmqdp']:,.0f}  plain decode {m['plain']:,.0f}"
+            f"  in trio {m['trio']:,.0f}"
             f"  channel {m['channel']:,.0f} outputs/s"
         )
     m = by_size[1000]
@@ -153,6 +179,13 @@ def main() -> None:
                 f"{m['zmqdp']:,.0f} vs {m['plain']:,.0f} outputs/s",
             ),
             Row(
+                "P1a'",
+                "the same ÷ receive in trio (ZSocket) + plain cbor2 decode (context)",
+                m["zmqdp"] / m["trio"],
+                "",
+                f"{m['zmqdp']:,.0f} vs {m['trio']:,.0f} outputs/s",
+            ),
+            Row(
                 "P1b",
                 "outputs/s to 1000 consuming streams ÷ one memory-channel send per output",
                 m["zmqdp"] / m["channel"],
@@ -164,7 +197,7 @@ def main() -> None:
     )
 
     def draw(ax: Any) -> None:
-        for name in ("zmqdp", "channel", "plain"):
+        for name in ("zmqdp", "channel", "plain", "trio"):
             ax.plot(sizes, [by_size[s][name] for s in sizes], marker="o", label=name)
         ax.set_xscale("log")
         ax.set_xlabel("consuming streams")
