@@ -21,7 +21,11 @@ Invariants (after every step, and at teardown):
 * an accepted ADD fits the chosen rank's `max_message_size`; a refused one reserves
   nothing (§1);
 * a malformed entry ends only the request it names, and the rest of its batch stands
-  (§7).
+  (§7);
+* admission: no pick takes a rank past its in-flight cap, and `Overloaded` comes only
+  when the pinned rank, or every up rank, is full (nothing reserved);
+* deadlines: when time passes, exactly the live requests whose deadline has come end
+  TIMED_OUT (each once), and their ranks get an ABORT.
 
 It is a plain module (not a test file) so that `test_mutants.py` can run it against
 deliberately broken variants of the core.
@@ -51,6 +55,7 @@ from zmqdp._core.errors import (
     InvalidRank,
     InvalidRequest,
     NoEngineAvailable,
+    Overloaded,
 )
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Load
@@ -126,10 +131,15 @@ class RetirementMachine(RuleBasedStateMachine):
         n=st.integers(1, MAX_RANKS),
         limits=st.lists(st.sampled_from([SMALL_LIMIT, 1 << 20]), min_size=MAX_RANKS),
         slice_entries=st.sampled_from([1, 2, 4096]),
+        caps=st.lists(st.none() | st.integers(1, 3), min_size=MAX_RANKS),
     )
-    def setup(self, n: int, limits: list[int], slice_entries: int) -> None:
+    def setup(self, n: int, limits: list[int], slice_entries: int, caps: list[int | None]) -> None:
         self.n = n
         self.core: GroupCore[Handle] = self.core_cls(n, lockstep=False)
+        self.caps = caps[:n]
+        for rank, cap in enumerate(self.caps):
+            self.core.routing.set_cap(rank, cap)
+        self.deadlines: dict[Handle, float] = {}
         self.core.slice_entries = slice_entries  # small: long batches come in slices
         self.pending: _Pending | None = None
         self.routing = self.core.routing
@@ -169,11 +179,22 @@ class RetirementMachine(RuleBasedStateMachine):
         assert entry is not None and entry.handle is handle, f"{handle} ended but is not live"
         del self.live[handle.request_id]
 
-    def _submit(self, rid: str, pin: int | None, body: str = "small") -> Handle | None:
+    def _full(self, rank: int) -> bool:
+        cap = self.caps[rank]
+        return cap is not None and self.routing.inflight_count(rank) >= cap
+
+    def _submit(
+        self, rid: str, pin: int | None, body: str = "small", timeout: float | None = None
+    ) -> Handle | None:
         handle = Handle(rid)
         before = {r: self.routing.inflight_ids(r) for r in range(self.n)}
         try:
-            sub = self.core.submit(rid, BODIES[body], handle, pin, self.now)
+            sub = self.core.submit(rid, BODIES[body], handle, pin, self.now, timeout)
+        except Overloaded:
+            ranks = [pin] if pin is not None else [r for r in range(self.n) if self._up(r)]
+            assert ranks and all(self._full(r) for r in ranks), "refused, yet there is room"
+            assert before == {r: self.routing.inflight_ids(r) for r in range(self.n)}
+            return None
         except DuplicateRequestId:
             assert rid in self.live, f"{rid} refused as duplicate but not live"
             return None
@@ -192,6 +213,12 @@ class RetirementMachine(RuleBasedStateMachine):
             return None
         assert rid not in self.live, f"live id {rid} accepted twice"
         assert self._up(sub.rank), f"chose rank {sub.rank}, which is down"
+        cap = self.caps[sub.rank]
+        assert cap is None or len(before[sub.rank]) < cap, (
+            f"rank {sub.rank} took a request past its in-flight cap {cap}"
+        )
+        if timeout is not None:
+            self.deadlines[handle] = self.now + timeout
         assert len(sub.frames[0]) + len(sub.frames[1]) <= self.limits[sub.rank], (
             f"an ADD of {len(sub.frames[1]) + 1} bytes went to rank {sub.rank}, "
             f"which accepts {self.limits[sub.rank]}"
@@ -225,9 +252,32 @@ class RetirementMachine(RuleBasedStateMachine):
         rid=st.sampled_from(IDS),
         pin=st.none() | st.integers(0, MAX_RANKS - 1),
         body=st.sampled_from(sorted(BODIES)),
+        timeout=st.none() | st.sampled_from([0.5, 1.0, 2.0]),
     )
-    def submit(self, rid: str, pin: int | None, body: str) -> None:
-        self._submit(rid, None if pin is None else self._rank(pin), body)
+    def submit(self, rid: str, pin: int | None, body: str, timeout: float | None) -> None:
+        self._submit(rid, None if pin is None else self._rank(pin), body, timeout)
+
+    @rule(dt=st.sampled_from([0.25, 0.5, 1.0]))
+    def time_passes(self, dt: float) -> None:
+        """Deadlines come: exactly the live requests past theirs end TIMED_OUT."""
+        self.now += dt
+        due = {
+            e.handle
+            for e in self.live.values()
+            if e.handle in self.deadlines and self.deadlines[e.handle] <= self.now
+        }
+        expired = self.core.expire(self.now)
+        assert {ended.handle for ended, _ in expired} == due, (
+            f"at {self.now} expired {[e.handle for e, _ in expired]}, due: {due}"
+        )
+        for ended, error in expired:
+            entry = self.live[ended.request_id]
+            assert ended.wire_id == entry.wire_id and ended.rank == entry.rank
+            assert error.request_id == ended.request_id and error.rank == ended.rank
+            self._record_end(ended.handle, ended.outcome, Outcome.TIMED_OUT)
+            engine = self.current[entry.rank]
+            assert engine is not None
+            engine.inbox.append(("abort", entry.wire_id, None))
 
     @rule(rid=st.sampled_from(IDS), pin=st.integers(MAX_RANKS, MAX_RANKS + 3))
     def submit_out_of_range(self, rid: str, pin: int) -> None:
@@ -262,6 +312,9 @@ class RetirementMachine(RuleBasedStateMachine):
             for r in up
         ):
             return
+        capped = [self.caps[r] for r in up if self.caps[r] is not None]
+        if capped:  # spread until the smallest cap, which then shapes the rest
+            k = min(k, len(up) * min(c for c in capped if c is not None))
         picks = dict.fromkeys(up, 0)
         for _ in range(k):
             self.bursts += 1

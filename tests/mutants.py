@@ -13,6 +13,7 @@ from zmqdp._core.errors import ProtocolError
 from zmqdp._core.messages import OutputBatch
 from zmqdp._core.outbox import Outbox
 from zmqdp._core.requests import RequestBook
+from zmqdp._core.routing import Routing
 from zmqdp._core.state import BatchRest, BatchResult, GroupCore, RankHealth
 from zmqdp._core.waves import WaveClock
 
@@ -45,6 +46,24 @@ class DropsBatchOnBadEntry(GroupCore[Any]):
         if batch.bad_entries:
             raise ProtocolError(f"malformed entry: {batch.bad_entries[0].cause}")
         return batch, rest
+
+
+class _CapBlindRouting(Routing):
+    def set_cap(self, rank: int, cap: int | None) -> None:
+        pass
+
+
+class IgnoresCaps(GroupCore[Any]):
+    """Admission control forgotten: a rank takes requests past its in-flight cap."""
+
+    routing_cls = _CapBlindRouting
+
+
+class IgnoresDeadlines(GroupCore[Any]):
+    """Request deadlines never expire (a stuck engine holds the request forever)."""
+
+    def expire(self, now: float) -> list[Any]:
+        return []
 
 
 class ContinuesStaleBatch(GroupCore[Any]):

@@ -53,6 +53,10 @@ LIFECYCLE_MUTANTS = {
     mutants.DropsBatchOnBadEntry: ("with only entry errors",),
     # an ADD larger than the rank accepts is sent
     mutants.NoSizeCheck: ("which accepts",),
+    # a rank takes a request past its in-flight cap
+    mutants.IgnoresCaps: ("in-flight cap",),
+    # a request whose deadline passed stays live
+    mutants.IgnoresDeadlines: ("due",),
 }
 
 

@@ -4,9 +4,10 @@
 onto the index (`tree=True`) and one onto the scan (`tree=False`), through random
 operations with many ties, and requires the same choices, the same errors and the same
 scores, loads and in-flight ids after every step. It also checks every unpinned choice
-against the rule written out here (the first strictly lowest score of an up rank, in
-order from a start that rotates by one per unpinned pick). Two deliberately broken
-variants of the index show that the machine can fail.
+against the rule written out here (the first strictly lowest score of an up rank under
+its in-flight cap, in order from a start that rotates by one per unpinned pick), and
+that no pick ever takes a rank past its cap. Three deliberately broken variants of the
+index show that the machine can fail.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from zmqdp._core.errors import InvalidRank, NoEngineAvailable
+from zmqdp._core.errors import InvalidRank, NoEngineAvailable, Overloaded
 from zmqdp._core.messages import Load
 from zmqdp._core.routing import Routing
 
@@ -42,7 +43,7 @@ def outcome(call: Callable[[], Any]) -> tuple[Any, ...]:
     """What `call` did: its result, or the type and message of what it raised."""
     try:
         return ("ok", call())
-    except (InvalidRank, NoEngineAvailable, IndexError) as exc:
+    except (InvalidRank, NoEngineAvailable, Overloaded, IndexError) as exc:
         return ("raised", type(exc), str(exc))
 
 
@@ -50,6 +51,7 @@ def snapshot(routing: Routing, rank: int) -> tuple[Any, ...]:
     load = routing.load(rank)
     return (
         routing.is_up(rank),
+        routing.cap(rank),
         routing.score(rank),
         routing.inflight_ids(rank),
         (load.waiting, load.running, repr(load.kv)),  # repr: NaN equals NaN
@@ -87,28 +89,37 @@ class SelectMachine(RuleBasedStateMachine):
         best, best_score = None, math.inf
         for offset in range(self.n):
             r = (self.start + offset) % self.n
-            if self.linear.is_up(r) and self.linear.score(r) < best_score:
+            if self._room(r) and self.linear.score(r) < best_score:
                 best, best_score = r, self.linear.score(r)
         return best
+
+    def _room(self, r: int) -> bool:
+        cap = self.linear.cap(r)
+        return self.linear.is_up(r) and (cap is None or self.linear.inflight_count(r) < cap)
 
     # -- rules ------------------------------------------------------------------------
 
     @rule(request_id=IDS)
     def select(self, request_id: str) -> None:
         expected = self._expected_pick()
+        any_up = any(self.linear.is_up(r) for r in range(self.n))
         got = self._both(lambda routing: routing.select(request_id, name="app"))
         self.start = (self.start + 1) % self.n
         if expected is None:
-            assert got[:2] == ("raised", NoEngineAvailable), got
+            error = Overloaded if any_up else NoEngineAvailable
+            assert got[:2] == ("raised", error), got
         else:
             assert got == ("ok", expected), f"picked {got}, the rule says rank {expected}"
 
     @rule(request_id=IDS, r=ANY_RANK)
     def select_pinned(self, request_id: str, r: int) -> None:
         rank = self._rank(r)
+        room = 0 <= rank < self.n and self._room(rank)
         got = self._both(lambda routing: routing.select(request_id, rank))
-        if 0 <= rank < self.n and self.linear.is_up(rank):
+        if room:
             assert got == ("ok", rank), got
+        elif 0 <= rank < self.n and self.linear.is_up(rank):
+            assert got[:2] == ("raised", Overloaded), f"rule says the rank is full: {got}"
         else:
             assert got[:2] == ("raised", InvalidRank), got
 
@@ -128,6 +139,11 @@ class SelectMachine(RuleBasedStateMachine):
     def observe_load(self, r: int, waiting: int, running: int, kv: float, seq: int | None) -> None:
         rank = self._rank(r)
         self._both(lambda routing: routing.observe_load(rank, Load(waiting, running, kv), seq))
+
+    @rule(r=ANY_RANK, cap=st.none() | st.integers(1, 3))
+    def set_cap(self, r: int, cap: int | None) -> None:
+        rank = r % self.n
+        self._both(lambda routing: routing.set_cap(rank, cap))
 
     @rule(r=ANY_RANK)
     def set_up(self, r: int) -> None:
@@ -223,6 +239,13 @@ class BreaksTiesLow(Routing):
         return super()._first_minimum(0)
 
 
+class CapBlindIndex(Routing):
+    """Keeps a full rank's score in the index: admission control forgotten there."""
+
+    def has_room(self, rank: int) -> bool:
+        return self._up[rank]
+
+
 class ForgetsReleaseInIndex(Routing):
     """Frees the slots but leaves the index holding the score from before."""
 
@@ -246,7 +269,7 @@ HUNT = settings(
 
 
 @pytest.mark.parametrize(
-    "variant", [BreaksTiesLow, ForgetsReleaseInIndex], ids=lambda c: c.__name__
+    "variant", [BreaksTiesLow, ForgetsReleaseInIndex, CapBlindIndex], ids=lambda c: c.__name__
 )
 def test_the_machine_catches(variant: type[Routing]) -> None:
     machine = type(f"SelectMachineWith{variant.__name__}", (SelectMachine,), {"tree_cls": variant})

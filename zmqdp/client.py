@@ -60,20 +60,23 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import trio
 from trio_util import AsyncValue
 
+from ._admission import WaitQueue
 from ._calls import PendingCalls
 from ._core.codec import encode_request
 from ._core.errors import (
     CallTimeout,
     EngineDead,
     GroupClosed,
+    GroupDraining,
     InvalidRank,
     InvalidRequest,
     ProtocolError,
@@ -83,8 +86,16 @@ from ._core.errors import (
 )
 from ._core.handshake import identity_rank
 from ._core.messages import Abort, Call, Load, Wake
+from ._core.metrics import HistogramSnapshot
 from ._core.requests import Outcome
-from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, BatchRest, BatchResult, Failure, GroupCore
+from ._core.state import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    BatchRest,
+    BatchResult,
+    Failure,
+    GroupCore,
+    check_timeout,
+)
 from ._transport import GroupTransport, TransportListener, open_group_transport
 from ._util import LogLimiter, NoPublicConstructor
 from .keys import ClientKeys
@@ -93,6 +104,7 @@ from .stream import RequestStream
 __all__ = [
     "EngineGroup",
     "EngineInfo",
+    "GroupHealth",
     "GroupStatistics",
     "RankState",
     "RankStatistics",
@@ -144,11 +156,14 @@ class Request:
     """One request: `id` unique among live requests (a non-empty str of at most 512
     characters; reusable once the request ends), `body` any CBOR-able value
     (docs/protocol.md §8) whose ADD fits the engine's `max_message_size`, `rank` an int to
-    pin it (None: least-loaded)."""
+    pin it (None: least-loaded), `timeout` its deadline in seconds from submit (None:
+    the group's `request_timeout`): past it the request is aborted on its rank and its
+    stream raises `RequestTimeout`."""
 
     id: str
     body: Any = None
     rank: int | None = None
+    timeout: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +192,12 @@ class RankStatistics:
     """Its invalid messages and malformed entries, this incarnation."""
     queued: int
     """Messages waiting to be sent to it (they pile up while its input pipe is full)."""
+    cap: int | None
+    """Its in-flight cap (`max_inflight`); None: no cap."""
+    ttft: HistogramSnapshot
+    """Seconds from submit to the first output, of requests sent to it."""
+    latency: HistogramSnapshot
+    """Seconds from submit to the terminal output, of its requests that finished."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +227,12 @@ class GroupStatistics:
     """Streams whose consumer fell `max_buffered` outputs behind: their request was
     aborted (or, if its terminal output came in the same batch, counted as finished
     too, and its outputs past the bound dropped)."""
+    timed_out: int
+    """Requests aborted because their deadline passed (`RequestTimeout`)."""
+    overloaded: int
+    """Submits refused by admission control (`Overloaded`); nothing was kept."""
+    waiting: int
+    """Tasks in `wait_submit` waiting for room now."""
     protocol_errors: int
     """Messages that were not valid batches (each killed its rank), or came from an
     identity that is no rank."""
@@ -242,6 +269,23 @@ class GroupStatistics:
     """CURVE: connections refused because their key is not on the allow-list."""
     impersonations: int
     """CURVE: messages dropped because their routing id was not their key's rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupHealth:
+    """`EngineGroup.health()`: what a liveness and a readiness probe ask."""
+
+    live: bool
+    """The group serves (not closed, not failed): restart the process if False."""
+    ready: bool
+    """Live, not draining, and at least one rank up: send it traffic."""
+    draining: bool
+    ranks_up: int
+    size: int
+    inflight: int
+    """Live requests."""
+    room: int | None
+    """Requests the up ranks can still take before admission refuses (None: no cap)."""
 
 
 class _GroupListener(TransportListener):
@@ -286,10 +330,17 @@ class EngineGroup(metaclass=NoPublicConstructor):
         core: GroupCore[RequestStream],
         max_buffered: int | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_inflight: int | Literal["info"] | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         self._transport = transport
         self._core = core
         self._max_buffered = max_buffered
+        self._max_inflight = max_inflight
+        self._request_timeout = request_timeout
+        self._waiters = WaitQueue()
+        self._idle: trio.Event | None = None  # set when draining and nothing is live
+        self._timer: trio.CancelScope | None = None  # the dispatcher's wait, if parked
         self.lockstep = core.lockstep
         self.size = core.size
         # trio-util is untyped: these are AsyncValues, shown to users as WatchedValues
@@ -304,6 +355,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
         self._held_limit = 4 * max_message_size
         self._wake_due = False  # a start_wave of this dispatcher pass awaits its WAKE
         self._wake_rounds = 0
+        self._firsts: list[RequestStream] = []  # streams given their first output
 
     # -- connecting -------------------------------------------------------------------
 
@@ -321,6 +373,8 @@ class EngineGroup(metaclass=NoPublicConstructor):
         advertise_host: str | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         max_buffered: int | None = None,
+        max_inflight: int | Literal["info"] | None = None,
+        request_timeout: float | None = None,
         curve: ClientKeys | None = None,
         insecure: bool = False,
     ) -> AsyncIterator[EngineGroup]:
@@ -333,6 +387,12 @@ class EngineGroup(metaclass=NoPublicConstructor):
         `max_buffered` bounds each stream's unread outputs: a request whose consumer
         falls that far behind is aborted on its rank and its stream raises
         `StreamOverflow` after those outputs (None: unbounded).
+
+        Admission control: `max_inflight` caps the requests in flight on each rank (an
+        int; "info": each rank's `max_num_seqs` from its READY info, uncapped if it
+        sends none; None: no cap). A submit that finds no room raises `Overloaded`;
+        `wait_submit` waits for room instead. `request_timeout` is the deadline of
+        every request without its own `Request.timeout` (None: none).
 
         `curve` (`zmqdp.keys.load_client_keys(DIR)`) makes the client a CURVE server
         that admits only engines whose key is on its allow-list, each as the one rank its
@@ -350,6 +410,14 @@ class EngineGroup(metaclass=NoPublicConstructor):
         """
         if max_buffered is not None and (type(max_buffered) is not int or max_buffered < 1):
             raise ValueError(f"max_buffered must be a positive int or None, got {max_buffered!r}")
+        if max_inflight not in (None, "info") and (
+            type(max_inflight) is not int or max_inflight < 1
+        ):
+            raise ValueError(
+                f"max_inflight must be a positive int, 'info' or None, got {max_inflight!r}"
+            )
+        if request_timeout is not None:
+            check_timeout("request_timeout", request_timeout)
         listener = _GroupListener()
         async with open_group_transport(
             url,
@@ -369,7 +437,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
                 stall_timeout=stall_timeout,
                 wave=transport.state.hello_wave(),
             )
-            group = cls._create(transport, core, max_buffered, max_message_size)
+            group = cls._create(
+                transport, core, max_buffered, max_message_size, max_inflight, request_timeout
+            )
             for rank in range(engines):
                 group._on_rank_up(rank)
             listener.group = group
@@ -405,21 +475,101 @@ class EngineGroup(metaclass=NoPublicConstructor):
         return cast(WatchedValue[int | None], self._wave)
 
     def submit(self, request: Request) -> RequestStream:
-        """Send a request; return its stream (use it with `async with`).
+        """Send a request; return its stream (use it with `async with` at once).
 
-        Never blocks. Raises `GroupClosed`, `DuplicateRequestId`, `InvalidRank`,
-        `NoEngineAvailable` or `InvalidRequest` (a bad id, a pinned rank that is not an
-        int, a body with no CBOR form, or an ADD larger than the engine accepts), each
-        before anything is sent or reserved.
+        Never blocks. Raises `Overloaded` (admission control: no room, see
+        `wait_submit`), `GroupDraining`, `GroupClosed`, `DuplicateRequestId`,
+        `InvalidRank`, `NoEngineAvailable` or `InvalidRequest` (a bad id, timeout or
+        pinned rank, a body with no CBOR form, or an ADD larger than the engine
+        accepts), each before anything is sent or reserved.
         """
         stream = self._for_testing_stream_class._create(
             request.id, self._close_stream, self._max_buffered
         )
-        sub = self._core.submit(request.id, request.body, stream, request.rank, trio.current_time())
+        timeout = request.timeout if request.timeout is not None else self._request_timeout
+        now = trio.current_time()
+        sub = self._core.submit(request.id, request.body, stream, request.rank, now, timeout)
         stream.rank = sub.rank
         stream.wire_id = sub.wire_id
+        stream.submitted_at = now
         self._transport.send(sub.rank, sub.frames)
+        if timeout is not None:
+            timer = self._timer
+            if timer is not None and now + timeout < timer.deadline:
+                timer.deadline = now + timeout  # the parked dispatcher wakes in time
         return stream
+
+    async def wait_submit(self, request: Request) -> RequestStream:
+        """`submit`, waiting for room while admission control refuses it: waiters are
+        admitted first come, first served (a plain `submit` that finds room takes it).
+        Raises what `submit` raises, except `Overloaded`; `GroupDraining` if the group
+        starts draining meanwhile.
+
+        Cancellation: if cancelled while waiting, nothing was submitted. Once admitted
+        the request is live and the stream is returned; enter its `async with` at once.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._waiters and self._room_for(request.rank):  # nobody queued ahead
+            stream = self.submit(request)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return stream
+        return await self._waiters.wait(request)
+
+    @property
+    def draining(self) -> bool:
+        """`drain()` was called: no new requests are taken."""
+        return self._core.draining
+
+    async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Stop taking requests (`submit` raises `GroupDraining`, waiters too), wait until
+        every live request has ended, then close the group (as leaving `connect`'s
+        block does). After `timeout` seconds, the requests still live are aborted on
+        their ranks and their streams raise `GroupClosed`.
+
+        Cancellation: the group stays draining and its live requests go on; leaving
+        `connect`'s block closes it.
+        """
+        core = self._core
+        if core.closed is None and not core.draining:
+            core.draining = True
+            log.info("draining: %d live request(s)", len(core.book))
+            self._waiters.fail_all(lambda r: GroupDraining(r.id))
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while len(core.book) and core.closed is None:
+                self._idle = trio.Event()
+                await self._idle.wait()
+        self._idle = None
+        left = len(core.book)
+        self._close(
+            f"the engine group was drained; {left} request(s) were still live after "
+            f"{timeout or 0:g} s"
+            if left
+            else "the engine group was drained"
+        )
+
+    def health(self) -> GroupHealth:
+        """A snapshot for liveness and readiness probes."""
+        core = self._core
+        up = [r for r in range(self.size) if core.is_up(r)]
+        live = core.closed is None
+        caps = [core.routing.cap(r) for r in up]
+        room = (
+            None
+            if any(c is None for c in caps)
+            else sum(
+                max(0, cast(int, cap) - core.routing.inflight_count(r))
+                for r, cap in zip(up, caps, strict=True)
+            )
+        )
+        return GroupHealth(
+            live=live,
+            ready=live and not core.draining and bool(up),
+            draining=core.draining,
+            ranks_up=len(up),
+            size=self.size,
+            inflight=len(core.book),
+            room=room,
+        )
 
     async def abort(self, request_id: str) -> None:
         """Abort a live request; a no-op for unknown or ended ids (idempotent).
@@ -485,6 +635,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
                     batches=core.health[r].batches,
                     protocol_errors=core.health[r].protocol_errors,
                     queued=t.queued[r],
+                    cap=core.routing.cap(r),
+                    ttft=core.ttft[r].snapshot(),
+                    latency=core.latency[r].snapshot(),
                 )
                 for r in range(self.size)
             ),
@@ -498,6 +651,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
             rolled_back=c.rolled_back,
             protocol_failed=c.protocol_failed,
             overflowed=c.overflowed,
+            timed_out=c.timed_out,
+            overloaded=c.overloaded,
+            waiting=len(self._waiters),
             protocol_errors=c.protocol_errors,
             malformed_entries=c.malformed_entries,
             stale_messages=c.stale_messages,
@@ -536,6 +692,26 @@ class EngineGroup(metaclass=NoPublicConstructor):
             error = RequestAborted(ended.rank, request_id) if stream is None else None
             ended.handle.finish(Outcome.ABORTED, error)
             self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
+            self._after_endings()
+
+    def _after_endings(self) -> None:
+        """Requests ended (or a rank came up): admit waiters, wake a drain."""
+        if self._waiters:
+            self._waiters.admit(self.submit, self._room_for)
+        idle = self._idle
+        if idle is not None and not len(self._core.book):
+            idle.set()
+
+    def _room_for(self, rank: int | None) -> bool:
+        """Whether a request pinned to `rank` (None: unpinned) is worth trying now: a
+        pinned rank that is up and full is not; anything else is (it fits, or its
+        submit raises the error the waiter should get)."""
+        routing = self._core.routing
+        if rank is None:
+            return any(routing.has_room(r) for r in range(self.size)) or not any(
+                routing.is_up(r) for r in range(self.size)
+            )
+        return not (type(rank) is int and routing.is_up(rank) and not routing.has_room(rank))
 
     # -- internals: the dispatcher ----------------------------------------------------
 
@@ -560,8 +736,13 @@ class EngineGroup(metaclass=NoPublicConstructor):
                 # deadline while this task is parked.
                 deadline = min(core.next_deadline(), trio.current_time() + 1.0)
                 with trio.move_on_at(deadline) as timer:
-                    messages = await zs.receive_batch(256)
+                    self._timer = timer  # a submit with an earlier deadline moves it
+                    try:
+                        messages = await zs.receive_batch(256)
+                    finally:
+                        self._timer = None
                 if timer.cancelled_caught:
+                    deadline = timer.deadline
                     # Read what is queued before judging silence: if this task was held
                     # up past the deadline, the heartbeats that arrived meanwhile are
                     # waiting. If it woke late, libzmq's I/O thread may have been held
@@ -585,6 +766,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
                 self._judge_silence(dirty)
             for stream in dirty:
                 stream.notify()
+            self._after_endings()
             clock = core.clock
             if clock is not None:
                 if self._wake_due:
@@ -671,10 +853,21 @@ class EngineGroup(metaclass=NoPublicConstructor):
         core = self._core
         fx = result.effects
         if fx is not None:
-            for stream in RequestStream.deliver_all(fx.deliveries, dirty):
+            firsts = self._firsts
+            for stream in RequestStream.deliver_all(fx.deliveries, dirty, firsts):
                 self._overflow(stream)
+            now = trio.current_time() if firsts or fx.ended else 0.0
+            if firsts:
+                for stream in firsts:
+                    if stream.first_output_at is None:
+                        stream.first_output_at = now
+                        core.observe_first_output(stream.rank, now - stream.submitted_at)
+                firsts.clear()
             for ended in fx.ended:
-                ended.handle.finish(ended.outcome, core.ending_error(ended))
+                stream = ended.handle
+                stream.finish(ended.outcome, core.ending_error(ended))
+                if ended.outcome is Outcome.FINISHED:
+                    core.observe_finished(stream.rank, now - stream.submitted_at)
         if result.wake is not None:
             self._wake_due = True  # answered at the end of this dispatcher pass
         for reply in result.replies:
@@ -705,6 +898,10 @@ class EngineGroup(metaclass=NoPublicConstructor):
         stream.finish(Outcome.OVERFLOWED, error)
 
     def _on_timeout(self, now: float) -> None:
+        for ended, error in self._core.expire(now):
+            ended.handle.finish(ended.outcome, error)
+            self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
+            log.info("%s", error)
         dead, wake = self._core.on_timeout(now)
         if wake is not None:
             log.warning(
@@ -741,8 +938,25 @@ class EngineGroup(metaclass=NoPublicConstructor):
             hello_wave=state.wave(rank),
             max_message_size=state.engine_max_message_size(rank),
         )
+        self._core.routing.set_cap(rank, self._cap_of(rank))
         self._states[rank].value = RankState.UP
         log.info("rank %d: up (epoch %s)", rank, state.epoch(rank))
+        self._after_endings()  # room for waiters
+
+    def _cap_of(self, rank: int) -> int | None:
+        cap = self._max_inflight
+        if cap != "info":
+            return cap
+        seqs = self._transport.state.info(rank).get("max_num_seqs")
+        if type(seqs) is int and seqs > 0:
+            return seqs
+        log.warning(
+            "rank %d: max_inflight='info' but its READY info has no positive int "
+            "'max_num_seqs' (%s): no in-flight cap for it",
+            rank,
+            quote(seqs),
+        )
+        return None
 
     def _rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
         failure = self._core.rank_down(rank, cause, rejoin=rejoin)
@@ -750,8 +964,8 @@ class EngineGroup(metaclass=NoPublicConstructor):
             log.error("rank %d: dead: %s", rank, cause)
             self._carry_out(failure)
 
-    def _close(self) -> None:
-        failure = self._core.close()
+    def _close(self, cause: str = "the engine group was closed") -> None:
+        failure = self._core.close(cause)
         if failure is not None:
             self._carry_out(failure)
 
@@ -770,6 +984,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
             self._calls.fail_all(EngineDead(failure.rank, failure.cause), failure.rank)
         if failure.closed is not None:
             self._calls.fail_all(failure.closed)
+            closed = failure.closed
+            self._waiters.fail_all(lambda r: GroupClosed(closed.cause, r.id))
         for rank in range(self.size):
             if not self._core.is_up(rank):
                 self._states[rank].value = RankState.DOWN
+        self._after_endings()

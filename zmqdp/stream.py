@@ -54,9 +54,11 @@ class RequestStream(metaclass=NoPublicConstructor):
         "_limit",
         "_on_close",
         "_waiter",
+        "first_output_at",
         "outcome",
         "rank",
         "request_id",
+        "submitted_at",
         "wire_id",
     )
 
@@ -74,6 +76,10 @@ class RequestStream(metaclass=NoPublicConstructor):
         """The id the engine knows this request by (docs/protocol.md §3), for its logs."""
         self.outcome: Outcome | None = None
         """How the request ended; None while it is live."""
+        self.submitted_at = 0.0
+        """`trio.current_time()` when it was submitted."""
+        self.first_output_at: float | None = None
+        """`trio.current_time()` of the dispatcher pass that delivered its first output."""
         self._on_close = on_close
         self._limit = sys.maxsize if max_buffered is None else max_buffered
         # Made at the first output: an empty deque costs ~750 bytes, more than all the
@@ -115,9 +121,13 @@ class RequestStream(metaclass=NoPublicConstructor):
 
     @classmethod
     def deliver_all(
-        cls, deliveries: list[tuple[RequestStream, Output]], dirty: set[RequestStream]
+        cls,
+        deliveries: list[tuple[RequestStream, Output]],
+        dirty: set[RequestStream],
+        firsts: list[RequestStream],
     ) -> list[RequestStream]:
-        """`deliver` each (stream, output) pair, adding the streams fed to `dirty`;
+        """`deliver` each (stream, output) pair, adding the streams fed to `dirty` and
+        those that got their first output to `firsts` (for time to first output);
         returns the streams that were full (in order, possibly repeated). One call per
         batch instead of one method call per output: this is the hottest loop."""
         full = []
@@ -125,13 +135,16 @@ class RequestStream(metaclass=NoPublicConstructor):
         for stream, out in deliveries:
             if type(stream) is RequestStream:  # inlined `deliver`
                 buffer = stream._buffer
-                if buffer is None:
+                if buffer is None:  # made at the first output (see __init__)
                     buffer = stream._buffer = deque()
+                    firsts.append(stream)
                 if len(buffer) < stream._limit:
                     buffer.append(out)
                     add(stream)
                     continue
             elif stream.deliver(out):
+                if stream.first_output_at is None:
+                    firsts.append(stream)
                 add(stream)
                 continue
             full.append(stream)

@@ -16,13 +16,16 @@ __all__ = [
     "DuplicateRequestId",
     "EngineDead",
     "GroupClosed",
+    "GroupDraining",
     "HandshakeRejected",
     "HandshakeTimeout",
     "InvalidRank",
     "InvalidRequest",
     "NoEngineAvailable",
+    "Overloaded",
     "ProtocolError",
     "RequestAborted",
+    "RequestTimeout",
     "StreamOverflow",
     "StreamTruncated",
     "ZmqdpError",
@@ -144,6 +147,39 @@ class NoEngineAvailable(ZmqdpError):
         )
 
 
+class Overloaded(ZmqdpError):
+    """Admission control refused the request: the pinned `rank`, or every up rank, is at
+    its in-flight cap (`max_inflight`). Nothing was sent or reserved; submit again
+    later, or use `wait_submit` to wait for room. A gateway answers 429."""
+
+    def __init__(self, request_id: str, rank: int | None = None, cap: int | None = None):
+        self.request_id = request_id
+        self.rank = rank
+        self.cap = cap
+        """The pinned rank's cap (None for an unpinned request)."""
+        where = "every up rank is" if rank is None else f"rank {rank} is"
+        limit = "" if cap is None else f" ({cap})"
+        super().__init__(
+            f"request {quote(request_id)}: {where} at its in-flight cap{limit}; "
+            "submit again when a request ends, or use wait_submit"
+        )
+
+
+class RequestTimeout(ZmqdpError, TimeoutError):
+    """The request passed its deadline (`Request.timeout`, or the group's
+    `request_timeout`) before its terminal output: it was aborted on its rank. The
+    outputs that came before are still read first. A gateway answers 504."""
+
+    def __init__(self, rank: int, request_id: str, timeout: float):
+        self.rank = rank
+        self.request_id = request_id
+        self.timeout = timeout
+        super().__init__(
+            f"{_where(rank, request_id)}: no terminal output within its {timeout:g} s "
+            "deadline; the request was aborted on its rank"
+        )
+
+
 class HandshakeTimeout(ZmqdpError, TimeoutError):
     """The group was not ready in time; names every missing rank and every rejected HELLO."""
 
@@ -183,6 +219,14 @@ class GroupClosed(ZmqdpError):
         self.cause = cause
         self.request_id = request_id
         super().__init__(f"request {quote(request_id)}: {cause}" if request_id else cause)
+
+
+class GroupDraining(GroupClosed):
+    """`drain()` was called: the group finishes the requests it holds and takes no new
+    ones (a gateway answers 503)."""
+
+    def __init__(self, request_id: str | None = None):
+        super().__init__("the engine group is draining: it takes no new requests", request_id)
 
 
 class CallTimeout(ZmqdpError, TimeoutError):

@@ -19,6 +19,7 @@ terminal        an output with a `finish` string, from the rank holding it   FIN
 finished        its wire id in a batch's `finished`, with no client abort    TRUNCATED
 abort           `abort()`: the user's abort, or the stream closed early      ABORTED
 overflow        its consumer fell `max_buffered` outputs behind (an abort)   OVERFLOWED
+deadline        its `timeout` passed before its terminal output (an abort)   TIMED_OUT
 rollback        the submit was refused after the reservation (size)          ROLLED_BACK
 entry error     a malformed output entry names its wire id (§7)            PROTOCOL_ERROR
 rank death      `rank_down()`: the rank died, rejoined or was declared dead  FAILED
@@ -76,6 +77,7 @@ class Outcome(enum.Enum):
     ROLLED_BACK = "rolled back"
     PROTOCOL_ERROR = "protocol error"
     OVERFLOWED = "overflowed"
+    TIMED_OUT = "timed out"
     FAILED = "failed"
 
 
@@ -203,6 +205,17 @@ class RequestBook(Generic[H]):
         if entry is None or (handle is not None and entry.handle is not handle):
             return None
         return self._end(entry, outcome, cause)
+
+    def expire(self, wire_id: str) -> Ended[H] | None:
+        """End a live request whose deadline passed (TIMED_OUT); the caller sends ABORT.
+        None if it already ended."""
+        entry = self._live.get(wire_id)
+        if entry is None:
+            return None
+        return self._end(entry, Outcome.TIMED_OUT, "deadline")
+
+    def is_live(self, wire_id: str) -> bool:
+        return wire_id in self._live
 
     def rollback(self, request_id: str, handle: H, cause: str) -> Ended[H] | None:
         """End a request whose ADD never reached the wire."""

@@ -28,6 +28,11 @@ are no locks at all: the object is used from one trio task at a time.
   rewrites its leaf with what `score` returns, so both compare the same floats (never
   NaN: an unknown KV usage adds nothing). tests/test_routing_select.py runs the two
   side by side.
+* Admission: a rank may have an in-flight cap (`set_cap`). A rank at its cap is not a
+  candidate (its leaf is +inf, as for a down rank); a request pinned to it, or an
+  unpinned one when every up rank is at its cap, raises `Overloaded`, distinct from
+  `NoEngineAvailable` (no rank up at all). A cap lowered below what a rank holds takes
+  nothing away: the rank just gets no more until it is under the cap.
 * In-flight slots are held **by id**, never by count. A request can end along several
   racing paths (terminal output, `finished`, abort, rollback) and `release` is called on
   more than one of them; removing an id twice must free one slot, not two.
@@ -45,7 +50,7 @@ import math
 from collections.abc import Iterable
 from typing import ClassVar
 
-from .errors import InvalidRank, NoEngineAvailable
+from .errors import InvalidRank, NoEngineAvailable, Overloaded
 from .messages import Load
 
 __all__ = ["KV_THRESHOLD", "KV_WEIGHT", "Routing"]
@@ -61,7 +66,17 @@ class Routing:
     `tree` forces the selection index on (True) or off (False); by default it is used
     when `size` is at least `TREE_MIN_SIZE`. Both choose the same ranks."""
 
-    __slots__ = ("_inflight", "_leaves", "_load", "_next_start", "_seq", "_tree", "_up", "size")
+    __slots__ = (
+        "_cap",
+        "_inflight",
+        "_leaves",
+        "_load",
+        "_next_start",
+        "_seq",
+        "_tree",
+        "_up",
+        "size",
+    )
 
     TREE_MIN_SIZE: ClassVar[int] = 8
     """The smallest group that selects through the index. A select + release pair breaks
@@ -76,6 +91,7 @@ class Routing:
         self._inflight: list[set[str]] = [set() for _ in range(size)]
         self._load: list[Load] = [_IDLE] * size
         self._seq: list[int | None] = [None] * size
+        self._cap: list[int | None] = [None] * size
         self._next_start = 0
         if tree is None:
             tree = size >= self.TREE_MIN_SIZE
@@ -116,6 +132,24 @@ class Routing:
             self._rescore(rank)
         return held
 
+    def set_cap(self, rank: int, cap: int | None) -> None:
+        """`rank` takes at most `cap` requests in flight (None: no cap)."""
+        if cap is not None and (type(cap) is not int or cap < 1):
+            raise ValueError(f"an in-flight cap must be a positive int or None, got {cap!r}")
+        self._cap[rank] = cap
+        if self._tree is not None:
+            self._rescore(rank)
+
+    def cap(self, rank: int) -> int | None:
+        return self._cap[rank]
+
+    def has_room(self, rank: int) -> bool:
+        """Whether `rank` is up and under its in-flight cap."""
+        if not self._up[rank]:
+            return False
+        cap = self._cap[rank]
+        return cap is None or len(self._inflight[rank]) < cap
+
     # -- selection and release --------------------------------------------------------
 
     def score(self, rank: int) -> float:
@@ -132,8 +166,9 @@ class Routing:
         """Choose a rank for `request_id` and reserve it there.
 
         A pinned `rank` is taken as is if it exists and is up (else `InvalidRank`) and
-        does not move the rotation. Raises `NoEngineAvailable` if no rank is up. Errors
-        name the request `name` (default: `request_id`).
+        under its cap (else `Overloaded`), and does not move the rotation. Raises
+        `NoEngineAvailable` if no rank is up, `Overloaded` if every up rank is at its
+        cap. Errors name the request `name` (default: `request_id`).
         """
         if rank is not None:
             if not 0 <= rank < self.size:
@@ -142,6 +177,9 @@ class Routing:
                 )
             if not self._up[rank]:
                 raise InvalidRank(rank, self.size, name or request_id, "the rank is down")
+            cap = self._cap[rank]
+            if cap is not None and len(self._inflight[rank]) >= cap:
+                raise Overloaded(name or request_id, rank, cap)
             self._inflight[rank].add(request_id)
             if self._tree is not None:
                 self._rescore(rank)
@@ -152,7 +190,7 @@ class Routing:
         if self._tree is not None:
             best = self._first_minimum(start)
             if best < 0:
-                raise NoEngineAvailable(name or request_id, size)
+                raise self._none_free(name or request_id)
             self._inflight[best].add(request_id)
             self._rescore(best)
             return best
@@ -163,13 +201,22 @@ class Routing:
             if r >= size:
                 r -= size
             if self._up[r]:
+                cap = self._cap[r]
+                if cap is not None and len(self._inflight[r]) >= cap:
+                    continue
                 s = self.score(r)
                 if s < best_score:
                     best, best_score = r, s
         if best < 0:
-            raise NoEngineAvailable(name or request_id, size)
+            raise self._none_free(name or request_id)
         self._inflight[best].add(request_id)
         return best
+
+    def _none_free(self, name: str) -> Exception:
+        """Why an unpinned pick found no rank: none up, or every up rank full."""
+        if any(self._up):
+            return Overloaded(name)
+        return NoEngineAvailable(name, self.size)
 
     def release(self, rank: int, request_ids: Iterable[str]) -> None:
         """Free the slots of these ids on `rank`. Idempotent by id."""
@@ -212,7 +259,7 @@ class Routing:
         assert tree is not None
         if rank < 0:  # the lists took it as an index from the end: so does the tree
             rank += self.size
-        value = self.score(rank) if self._up[rank] else math.inf
+        value = self.score(rank) if self.has_room(rank) else math.inf
         i = self._leaves + rank
         if tree[i] == value:
             return

@@ -8,14 +8,18 @@ current time and carries out what it returns.
 
 The submit path (`submit`), in this order:
 
+0. a closed group raises `GroupClosed`, a draining one `GroupDraining`;
 1. validate the application id (a non-empty string of at most `MAX_ID_LENGTH`
-   characters with a UTF-8 form) and the pinned rank (an int or None);
+   characters with a UTF-8 form), the pinned rank (an int or None) and the timeout;
 2. take a fresh wire id (§3) and encode the ADD; any failure to encode raises
    `InvalidRequest` before anything is registered or reserved;
-3. register and reserve (`RequestBook.submit`: a live duplicate raises first);
+3. register and reserve (`RequestBook.submit`: a live duplicate raises first; then
+   `Routing.select`, where admission control raises `Overloaded` when the pinned rank,
+   or every up rank, is at its in-flight cap);
 4. refuse an ADD larger than the chosen rank's `max_message_size` (§1), rolling the
    reservation back: the caller gets `InvalidRequest`, nothing is sent or kept;
-5. hand back the rank, the wire id and the frames to send.
+5. record the request's deadline, if it has a timeout (`expire` ends it TIMED_OUT);
+6. hand back the rank, the wire id and the frames to send.
 
 Per output message (`on_message`), in this order (the order matters, see each module):
 
@@ -52,6 +56,7 @@ which says so in its result.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,14 +66,18 @@ from .codec import BatchDecoder, EntryCursor, decode_batch_sliced, encode_reques
 from .errors import (
     EngineDead,
     GroupClosed,
+    GroupDraining,
     InvalidRequest,
+    Overloaded,
     ProtocolError,
+    RequestTimeout,
     StreamTruncated,
     ZmqdpError,
     quote,
 )
 from .handshake import identity_rank
 from .messages import Abort, Add, BadEntry, Output, OutputBatch, Reply
+from .metrics import Histogram
 from .requests import BatchEffects, Ended, Outcome, RequestBook
 from .routing import Routing
 from .waves import WaveClock
@@ -193,6 +202,9 @@ class GroupCounters:
     unknown_outputs: int = 0
     stall_wakes: int = 0
     overflowed: int = 0
+    timed_out: int = 0
+    overloaded: int = 0
+    """Submits refused by admission control (not requests: nothing was registered)."""
     by_outcome: dict[Outcome, str] = field(
         default_factory=lambda: {
             Outcome.FINISHED: "finished",
@@ -202,6 +214,7 @@ class GroupCounters:
             Outcome.PROTOCOL_ERROR: "protocol_failed",
             Outcome.FAILED: "failed",
             Outcome.OVERFLOWED: "overflowed",
+            Outcome.TIMED_OUT: "timed_out",
         }
     )
 
@@ -231,6 +244,17 @@ def check_request_id(request_id: Any) -> str:
             request_id, f"the id has no UTF-8 form (lone surrogate at {exc.start})"
         ) from None
     return request_id
+
+
+def check_timeout(request_id: str, timeout: Any) -> float | None:
+    """A request timeout is a positive finite number of seconds, or None."""
+    if timeout is None:
+        return None
+    if type(timeout) in (int, float) and 0 < timeout < math.inf:
+        return float(timeout)
+    raise InvalidRequest(
+        request_id, f"timeout must be a positive number of seconds or None, got {quote(timeout)}"
+    )
 
 
 def check_rank(request_id: str, rank: Any) -> int | None:
@@ -280,7 +304,16 @@ class GroupCore(Generic[H]):
         self.counters = GroupCounters()
         self.closed: GroupClosed | None = None
         """Why the group is closed or failed; None while it serves."""
+        self.draining = False
+        """`drain()` was called: `submit` raises `GroupDraining`."""
         self._adds_since_wake = False
+        # Request deadlines, earliest first: (deadline, wire id, timeout). An entry whose
+        # request ended meanwhile is dropped when it reaches the top (lazily).
+        self._expiry: list[tuple[float, str, float]] = []
+        self.ttft = [Histogram() for _ in range(size)]
+        """Per rank: seconds from submit to the first output."""
+        self.latency = [Histogram() for _ in range(size)]
+        """Per rank: seconds from submit to the terminal output (FINISHED requests)."""
 
     # -- ranks ------------------------------------------------------------------------
 
@@ -407,23 +440,40 @@ class GroupCore(Generic[H]):
 
     # -- submit path ------------------------------------------------------------------
 
-    def submit(self, request_id: Any, body: Any, handle: H, rank: Any, now: float) -> Submitted:
-        """Validate, encode, register and reserve (module docstring, steps 1-5).
+    def submit(
+        self,
+        request_id: Any,
+        body: Any,
+        handle: H,
+        rank: Any,
+        now: float,
+        timeout: float | None = None,
+    ) -> Submitted:
+        """Validate, encode, register and reserve (module docstring, steps 1-6).
 
-        Raises `InvalidRequest`, `DuplicateRequestId`, `InvalidRank` or
-        `NoEngineAvailable`; after any of them nothing is registered or reserved.
+        Raises `InvalidRequest`, `DuplicateRequestId`, `InvalidRank`, `Overloaded`,
+        `NoEngineAvailable`, `GroupDraining` or `GroupClosed`; after any of them nothing
+        is registered or reserved. With `timeout`, the request ends TIMED_OUT if it has
+        no terminal output by `now + timeout` (`expire`).
         """
         if self.closed is not None:
             raise GroupClosed(self.closed.cause, request_id=str(request_id))
+        if self.draining:
+            raise GroupDraining(str(request_id))
         request_id = check_request_id(request_id)
         pinned = check_rank(request_id, rank)
+        timeout = check_timeout(request_id, timeout)
         wire_id = self.book.new_wire_id(request_id)
         try:
             frames = encode_request(Add(wire_id, body))
         except ProtocolError as exc:
             self.counters.rolled_back += 1
             raise InvalidRequest(request_id, exc.cause) from None
-        chosen = self.book.submit(request_id, wire_id, handle, pinned)
+        try:
+            chosen = self.book.submit(request_id, wire_id, handle, pinned)
+        except Overloaded:
+            self.counters.overloaded += 1
+            raise
         if not self._fits(chosen, frames):
             self.book.rollback(request_id, handle, "too large")
             self.counters.rolled_back += 1
@@ -440,6 +490,8 @@ class GroupCore(Generic[H]):
             health.last_heard = now
             health.last_output = now
             health.stall_woken_at = None
+        if timeout is not None:
+            heapq.heappush(self._expiry, (now + timeout, wire_id, timeout))
         return Submitted(chosen, wire_id, frames)
 
     def _fits(self, rank: int, frames: tuple[bytes, bytes]) -> bool:
@@ -709,12 +761,39 @@ class GroupCore(Generic[H]):
         return dead_at, stall_at
 
     def next_deadline(self) -> float:
-        """The earliest time `on_timeout` has something to do (inf: nothing)."""
-        deadline = math.inf
+        """The earliest time `on_timeout` or `expire` has something to do (inf: nothing)."""
+        deadline = self.next_expiry()
         for rank in range(self.size):
             if self.is_up(rank) and self.routing.inflight_count(rank):
                 deadline = min(deadline, *self._deadlines(rank))
         return deadline
+
+    def observe_first_output(self, rank: int, seconds: float) -> None:
+        self.ttft[rank].observe(seconds)
+
+    def observe_finished(self, rank: int, seconds: float) -> None:
+        self.latency[rank].observe(seconds)
+
+    def next_expiry(self) -> float:
+        """The earliest deadline of a live request (inf: none)."""
+        expiry = self._expiry
+        while expiry and not self.book.is_live(expiry[0][1]):
+            heapq.heappop(expiry)
+        return expiry[0][0] if expiry else math.inf
+
+    def expire(self, now: float) -> list[tuple[Ended[H], RequestTimeout]]:
+        """End every live request whose deadline is at or before `now` (TIMED_OUT); the
+        caller sends ABORT of each `Ended.wire_id` to `Ended.rank` and fails its stream
+        with the error."""
+        out = []
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            _, wire_id, timeout = heapq.heappop(expiry)
+            ended = self.book.expire(wire_id)
+            if ended is not None:
+                self.counters.count((ended,))
+                out.append((ended, RequestTimeout(ended.rank, ended.request_id, timeout)))
+        return out
 
     def on_timeout(self, now: float) -> tuple[list[tuple[int, str]], int | None]:
         """Deaths by silence or (lockstep) no progress, and a WAKE for stalled ranks."""
