@@ -1,5 +1,6 @@
-"""Command line: `python -m zmqdp demo` (the main job), `python -m zmqdp mock` and
-`python -m zmqdp keys` (CURVE keys for a group)."""
+"""Command line: `python -m zmqdp demo` (the main job), `python -m zmqdp mock`,
+`python -m zmqdp keys` (CURVE keys for a group) and `python -m zmqdp serve` (the
+OpenAI-compatible HTTP gateway, `zmqdp.gateway`)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,28 @@ def run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(parser: argparse.ArgumentParser) -> None:
+    try:
+        from .gateway.serve import add_arguments
+    except ImportError as exc:  # the gateway extra is not installed
+        parser.set_defaults(serve_missing=str(exc))
+        return
+    add_arguments(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    missing = getattr(args, "serve_missing", None)
+    if missing is not None:
+        print(
+            f"zmqdp serve: {missing}; install the gateway extra: pip install 'zmqdp[gateway]'",
+            file=sys.stderr,
+        )
+        return 2
+    from .gateway.serve import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .demo import build_parser
     from .demo import main as demo_main
@@ -111,11 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     build_parser(sub.add_parser("demo", help="stream a workload through a mock engine group"))
     _mock_parser(sub.add_parser("mock", help="run a mock engine group"))
     _keys_parser(sub.add_parser("keys", help="generate CURVE keys for a client and its engines"))
+    _serve_parser(
+        sub.add_parser(
+            "serve",
+            help="serve OpenAI /v1/completions over an engine group (--mock: a mock group)",
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "mock":
         return run_mock(args)
     if args.command == "keys":
         return run_keys(args)
+    if args.command == "serve":
+        return run_serve(args)
     return demo_main(args)
 
 

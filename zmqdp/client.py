@@ -322,7 +322,8 @@ class EngineGroup(metaclass=NoPublicConstructor):
     """The client of one engine group. Create it with `EngineGroup.connect`."""
 
     _for_testing_stream_class: type[RequestStream] = RequestStream
-    """Tests and benchmarks only: the stream class `submit` makes."""
+    """Tests and benchmarks only: the stream class `submit` makes (unless the group's
+    `_stream_class` is set)."""
 
     def __init__(
         self,
@@ -356,6 +357,9 @@ class EngineGroup(metaclass=NoPublicConstructor):
         self._wake_due = False  # a start_wave of this dispatcher pass awaits its WAKE
         self._wake_rounds = 0
         self._firsts: list[RequestStream] = []  # streams given their first output
+        # The stream class of this group's `submit` (`zmqdp.aio` sets its own); None:
+        # `_for_testing_stream_class`, read at each submit (benchmarks switch it).
+        self._stream_class: type[RequestStream] | None = None
 
     # -- connecting -------------------------------------------------------------------
 
@@ -483,7 +487,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
         pinned rank, a body with no CBOR form, or an ADD larger than the engine
         accepts), each before anything is sent or reserved.
         """
-        stream = self._for_testing_stream_class._create(
+        stream = (self._stream_class or self._for_testing_stream_class)._create(
             request.id, self._close_stream, self._max_buffered
         )
         timeout = request.timeout if request.timeout is not None else self._request_timeout

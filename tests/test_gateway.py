@@ -1,0 +1,668 @@
+"""The HTTP gateway (`zmqdp.gateway`) over real HTTP: httpx against hypercorn's trio
+worker on 127.0.0.1 (an OS-assigned port), in front of an embedded mock group or of
+`ScriptedEngine`s that a test drives by hand.
+
+What a client of an OpenAI-compatible server relies on: the JSON and SSE formats, the
+status of every failure (400, 429 + Retry-After, 503, 504, 502), that a client that goes
+away stops the generation on its rank (streaming or not), probes and metrics, and that a
+drain turns readiness off first and lets live streams finish.
+
+Nothing waits on the clock to synchronize: engines are driven by hand and waited on
+(`wait_for`, `wait_until`). Every test runs under the absolute `trio.fail_after` of
+conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from hypercorn.utils import LifespanFailureError
+from prometheus_client.parser import text_string_to_metric_families
+
+from zmqdp import EngineGroup, GroupStatistics
+from zmqdp._core.messages import Output
+from zmqdp.engine import Abort, Add
+from zmqdp.gateway import CompletionRequest, GatewayApp, MockDialect, Piece, Prepared, create_app
+from zmqdp.mock import MockConfig
+
+from .engines import ScriptedEngine
+from .helpers import READY_TIMEOUT, wait_until
+
+FAST_MOCK = MockConfig(engines=2, step_time=0.002)
+
+
+# -- engines and a dialect a test can drive -------------------------------------------
+
+
+class TokenEngine(ScriptedEngine):
+    """A `ScriptedEngine` with three more ADD bodies: ``{"tokens": k, "hold": True}``
+    emits k outputs (one batch each) and holds the request; ``{"burst": k}`` emits k
+    outputs in one batch, the last terminal; ``{"die": True}`` announces the rank dead."""
+
+    async def handle(self, msg: Any) -> None:
+        body = msg.body if isinstance(msg, Add) else None
+        if isinstance(body, dict) and body.get("hold") and body.get("tokens"):
+            for i in range(body["tokens"]):
+                await self.emit((Output(msg.id, i),))
+            self.held[msg.id] = body
+        elif isinstance(body, dict) and "burst" in body:
+            k = body["burst"]
+            await self.emit(
+                tuple(Output(msg.id, i, "length" if i == k - 1 else None) for i in range(k))
+            )
+        elif isinstance(body, dict) and body.get("die"):
+            await self.emit(dead="injected: the engine died")
+        else:
+            await super().handle(msg)
+
+
+class ScriptDialect:
+    """The engine body is the request's own ``"script"`` field (a field the gateway does
+    not know: dialects read `raw`), else ``{"tokens": max_tokens}``; output i is " t{i}"."""
+
+    def prepare(self, request: CompletionRequest) -> Prepared:
+        body = request.raw.get("script", {"tokens": request.max_tokens})
+        return Prepared(body, 3, self.decode)
+
+    @staticmethod
+    def decode(output: Output) -> Piece:
+        return Piece(f" t{output.body}", 1, output.finish)
+
+
+def aborted(engine: ScriptedEngine) -> list[str]:
+    return [i for m in engine.inbox if isinstance(m, Abort) for i in m.ids]
+
+
+def hold(tokens: int = 0, **fields: Any) -> dict[str, Any]:
+    script: dict[str, Any] = {"hold": True}
+    if tokens:
+        script["tokens"] = tokens
+    return {"prompt": "x", "max_tokens": 100, "script": script, **fields}
+
+
+# -- serving ----------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def serving(app: GatewayApp) -> AsyncIterator[httpx.AsyncClient]:
+    """`app` on hypercorn's trio worker on 127.0.0.1:0, and a client of it. The server
+    stops (lifespan shutdown: drain and close) when the block ends."""
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.graceful_timeout = 2.0
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+        async with httpx.AsyncClient(base_url=binds[0], timeout=15) as client:
+            yield client
+        stop.set()
+
+
+@asynccontextmanager
+async def scripted(
+    tmp_path: Path, n: int = 1, **kw: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, GatewayApp, list[TokenEngine]]]:
+    """A gateway over `n` `TokenEngine`s (`ScriptDialect`); `kw` go to `create_app`."""
+    url = f"ipc://{tmp_path}/g"
+    async with trio.open_nursery() as nursery:
+        engines = [TokenEngine(url, r, n) for r in range(n)]
+        for engine in engines:
+            nursery.start_soon(engine.run)
+        app = create_app(url, n, dialect=ScriptDialect(), ready_timeout=READY_TIMEOUT, **kw)
+        async with serving(app) as client:
+            yield client, app, engines
+        nursery.cancel_scope.cancel()
+
+
+def stats(app: GatewayApp) -> GroupStatistics:
+    assert app.group is not None
+    return app.group.statistics()
+
+
+async def events(response: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of an SSE response, in order."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        while "\n\n" in buffer:
+            event, buffer = buffer.split("\n\n", 1)
+            assert event.startswith("data: "), event
+            yield event[len("data: ") :]
+
+
+async def all_events(response: httpx.Response) -> list[str]:
+    return [e async for e in events(response)]
+
+
+# -- the happy paths --------------------------------------------------------------------
+
+
+async def test_a_completion_is_one_openai_text_completion() -> None:
+    async with serving(create_app(mock=FAST_MOCK)) as client:
+        response = await client.post(
+            "/v1/completions",
+            json={"model": "m1", "prompt": "hi", "max_tokens": 5, "user": "u", "top_p": 0.5},
+        )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == "m1"
+    assert body["id"] == response.headers["x-request-id"] and body["id"].startswith("cmpl-")
+    assert response.headers["x-data-parallel-rank"] in {"0", "1"}
+    [choice] = body["choices"]
+    assert choice == {
+        "text": " t1001 t1002 t1003 t1004 t1005",
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    # "hi" is two byte-level tokens in the mock dialect
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+
+@pytest.mark.parametrize(
+    "prompt", [[104, 105], ["hi"], [[104, 105]]], ids=["token-ids", "list-of-one", "ids-of-one"]
+)
+async def test_every_form_of_one_prompt_is_taken(prompt: Any) -> None:
+    async with serving(create_app(mock=FAST_MOCK)) as client:
+        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 2
+
+
+async def test_curl_style_form_content_type_is_accepted() -> None:
+    # `curl -d '{...}'` sends application/x-www-form-urlencoded; the body is JSON anyway
+    async with serving(create_app(mock=FAST_MOCK)) as client:
+        response = await client.post(
+            "/v1/completions",
+            content=b'{"prompt":"hi","max_tokens":3}',
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
+    assert response.status_code == 200 and response.json()["choices"][0]["text"].count(" t") == 3
+
+
+async def test_a_stream_is_sse_chunks_then_usage_then_done() -> None:
+    async with (
+        serving(create_app(mock=FAST_MOCK, model="mock-model")) as client,
+        client.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "prompt": "hello",
+                "max_tokens": 8,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as response,
+    ):
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/event-stream"
+        data = await all_events(response)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    *text_chunks, usage = chunks
+    assert len(text_chunks) >= 2  # the mock sends one token per step: several writes
+    assert {c["id"] for c in chunks} == {response.headers["x-request-id"]}
+    assert all(c["object"] == "text_completion" and c["model"] == "mock-model" for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in text_chunks)
+    assert text == "".join(f" t{1000 + i}" for i in range(1, 9))
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+
+
+async def test_outputs_buffered_together_go_out_in_one_write(tmp_path: Path) -> None:
+    async with (
+        scripted(tmp_path) as (client, _, _),
+        client.stream(
+            "POST", "/v1/completions", json={"prompt": "x", "stream": True, "script": {"burst": 6}}
+        ) as response,
+    ):
+        data = await all_events(response)
+    assert data[-1] == "[DONE]"
+    [chunk] = [json.loads(d) for d in data[:-1]]  # six outputs in one batch: one event
+    assert chunk["choices"][0] == {
+        "text": " t0 t1 t2 t3 t4 t5",
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+
+
+async def test_the_rank_header_pins_the_request(tmp_path: Path) -> None:
+    async with scripted(tmp_path, 2) as (client, _, engines):
+        for rank in (1, 0, 1):
+            response = await client.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 2},
+                headers={"X-Data-Parallel-Rank": str(rank)},
+            )
+            assert response.status_code == 200, response.text
+            assert response.headers["x-data-parallel-rank"] == str(rank)
+        assert [len([m for m in e.inbox if isinstance(m, Add)]) for e in engines] == [1, 2]
+
+
+# -- client errors ------------------------------------------------------------------------
+
+
+BAD_BODIES = [
+    pytest.param(b"{not json", None, "not valid JSON", id="invalid-json"),
+    pytest.param(b"[1, 2]", None, "JSON object", id="not-an-object"),
+    pytest.param(b'{"max_tokens": 3}', "prompt", "'prompt' is required", id="no-prompt"),
+    pytest.param(b'{"prompt": 7}', "prompt", "must be a string", id="prompt-int"),
+    pytest.param(b'{"prompt": []}', "prompt", "must be a string", id="prompt-empty-list"),
+    pytest.param(b'{"prompt": [1, -2]}', "prompt", "must be a string", id="negative-token"),
+    pytest.param(b'{"prompt": ["a", "b"]}', "prompt", "one prompt per request", id="batch"),
+    pytest.param(b'{"prompt": "a", "max_tokens": 0}', "max_tokens", ">= 1", id="max-tokens-0"),
+    pytest.param(b'{"prompt": "a", "max_tokens": "9"}', "max_tokens", ">= 1", id="max-tokens-str"),
+    pytest.param(b'{"prompt": "a", "stream": "yes"}', "stream", "boolean", id="stream-str"),
+    pytest.param(b'{"prompt": "a", "n": 2}', "n", "must be 1", id="n-2"),
+    pytest.param(b'{"prompt": "a", "user": 5}', "user", "string", id="user-int"),
+    pytest.param(b'{"prompt": "a", "model": []}', "model", "string", id="model-list"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), BAD_BODIES)
+async def test_a_bad_request_is_a_400_naming_the_field(
+    body: bytes, param: str | None, message: str
+) -> None:
+    app = create_app(mock=FAST_MOCK)
+    async with serving(app) as client:
+        response = await client.post("/v1/completions", content=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_request"
+    assert error["param"] == param and message in error["message"]
+    assert stats(app).submitted == 0
+
+
+async def test_a_dialect_refusal_is_a_400() -> None:
+    class Small(MockDialect):
+        max_prompt_tokens = 3
+
+    async with serving(create_app(mock=FAST_MOCK, dialect=Small())) as client:
+        response = await client.post("/v1/completions", json={"prompt": "four", "max_tokens": 1})
+    assert response.status_code == 400
+    assert "the prompt has 4 tokens" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("value", "status", "code"),
+    [("abc", 400, "invalid_rank"), ("-1", 400, "invalid_rank"), ("7", 400, "invalid_rank")],
+)
+async def test_a_bad_rank_header_is_a_400(
+    tmp_path: Path, value: str, status: int, code: str
+) -> None:
+    async with scripted(tmp_path, 2) as (client, app, _):
+        response = await client.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"X-Data-Parallel-Rank": value},
+        )
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["code"] == code
+        if value == "7":
+            assert "rank 7" in response.json()["error"]["message"]
+        assert stats(app).submitted == 0
+
+
+async def test_unknown_routes_and_methods() -> None:
+    async with serving(create_app(mock=FAST_MOCK)) as client:
+        missing = await client.get("/v1/chat/nope")
+        wrong = await client.get("/v1/completions")
+        too_big = await client.post("/v1/completions", content=b"x" * 100)
+        models = await client.get("/v1/models")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert too_big.status_code == 400  # (not JSON; the size limit is 16 MiB)
+    assert models.json()["data"][0]["id"] == "zmqdp"
+
+
+async def test_a_body_past_the_limit_is_a_413() -> None:
+    async with serving(create_app(mock=FAST_MOCK, max_body_size=64)) as client:
+        response = await client.post("/v1/completions", json={"prompt": "x" * 100})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
+
+
+# -- client disconnects -------------------------------------------------------------------
+
+
+async def test_a_client_leaving_a_stream_aborts_the_request_on_its_rank(tmp_path: Path) -> None:
+    async with scripted(tmp_path, 2) as (client, app, engines):
+        async with client.stream(
+            "POST",
+            "/v1/completions",
+            json={**hold(tokens=2), "stream": True},
+            headers={"X-Data-Parallel-Rank": "1"},
+        ) as response:
+            request_id = response.headers["x-request-id"]
+            seen = ""
+            async for data in events(response):
+                seen += json.loads(data)["choices"][0]["text"]  # one event or two
+                if seen == " t0 t1":
+                    break
+        # the client closed the connection mid-stream
+        engine = engines[1]
+        wire = engine.wire(request_id)
+        await engine.wait_for(lambda: aborted(engine) == [wire])
+        await wait_until(lambda: stats(app).aborted == 1)
+        st = stats(app)
+        assert [r.inflight for r in st.ranks] == [0, 0] and st.finished == 0
+        assert aborted(engines[0]) == [] and aborted(engine) == [wire]  # exactly one ABORT
+        assert app.counters.disconnects["completions"] == 1
+
+
+async def test_a_client_leaving_before_a_plain_answer_aborts_the_request(tmp_path: Path) -> None:
+    async with scripted(tmp_path) as (client, app, [engine]):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.post, "/v1/completions", json=hold()))
+            await engine.wait_for(lambda: bool(engine.held))
+            [wire] = engine.held
+            nursery.cancel_scope.cancel()  # the client gives up: httpx closes the connection
+        await engine.wait_for(lambda: aborted(engine) == [wire])
+        await wait_until(lambda: stats(app).aborted == 1)
+        assert stats(app).ranks[0].inflight == 0 and aborted(engine) == [wire]
+        await wait_until(lambda: app.counters.disconnects["completions"] == 1)
+
+
+# -- admission, deadlines, engine failures --------------------------------------------------
+
+
+async def test_no_room_is_a_429_with_retry_after(tmp_path: Path) -> None:
+    async with scripted(tmp_path, max_inflight=1, retry_after=3) as (client, app, [engine]):
+        async with trio.open_nursery() as nursery:
+            first: list[httpx.Response] = []
+
+            async def held() -> None:
+                first.append(await client.post("/v1/completions", json=hold()))
+
+            nursery.start_soon(held)
+            await engine.wait_for(lambda: bool(engine.held))
+            response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert response.status_code == 429
+            assert response.headers["retry-after"] == "3"
+            error = response.json()["error"]
+            assert (error["type"], error["code"]) == ("rate_limit_error", "overloaded")
+            assert response.headers["x-request-id"] in error["message"]
+            assert "in-flight cap" in error["message"]
+            [wire] = engine.held
+            await engine.finish(wire.rpartition("#")[0])
+        assert first[0].status_code == 200 and first[0].json()["choices"][0]["text"] == " tdone"
+        assert stats(app).overloaded == 1
+
+
+async def test_a_queue_time_waits_for_room_then_serves(tmp_path: Path) -> None:
+    async with scripted(tmp_path, max_inflight=1, queue_timeout=15) as (client, app, [engine]):
+        async with trio.open_nursery() as nursery:
+            answers: list[httpx.Response] = []
+
+            async def post(body: dict[str, Any]) -> None:
+                answers.append(await client.post("/v1/completions", json=body))
+
+            nursery.start_soon(post, hold())
+            await engine.wait_for(lambda: bool(engine.held))
+            nursery.start_soon(post, {"prompt": "x", "max_tokens": 2})
+            await wait_until(lambda: stats(app).waiting == 1)
+            [wire] = engine.held
+            await engine.finish(wire.rpartition("#")[0])
+        assert sorted(r.status_code for r in answers) == [200, 200]
+        assert stats(app).overloaded == 0 and stats(app).finished == 2
+
+
+async def test_no_room_within_the_queue_time_is_a_429(tmp_path: Path) -> None:
+    async with (
+        scripted(tmp_path, max_inflight=1, queue_timeout=0.05) as (client, app, [engine]),
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(partial(client.post, "/v1/completions", json=hold()))
+        await engine.wait_for(lambda: bool(engine.held))
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "queue_timeout"
+        assert stats(app).waiting == 0 and stats(app).submitted == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_deadline_before_the_answer_is_a_504(tmp_path: Path) -> None:
+    async with scripted(tmp_path, request_timeout=0.2) as (client, app, [engine]):
+        response = await client.post("/v1/completions", json=hold())
+        assert response.status_code == 504
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("timeout_error", "request_timeout")
+        request_id = response.headers["x-request-id"]
+        assert f"rank 0, request {request_id!r}" in error["message"]
+        await engine.wait_for(lambda: aborted(engine) == [engine.wire(request_id)])
+        assert stats(app).timed_out == 1
+
+
+async def test_a_deadline_mid_stream_is_an_sse_error_then_the_end(tmp_path: Path) -> None:
+    async with (
+        scripted(tmp_path, request_timeout=0.3) as (client, app, _),
+        client.stream("POST", "/v1/completions", json={**hold(tokens=2), "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        data = await all_events(r)
+    assert "[DONE]" not in data
+    *tokens, last = [json.loads(d) for d in data]
+    assert "".join(t["choices"][0]["text"] for t in tokens) == " t0 t1"
+    assert last["error"]["code"] == "request_timeout" and "rank 0" in last["error"]["message"]
+    assert stats(app).timed_out == 1
+
+
+async def test_a_dead_engine_is_a_502(tmp_path: Path) -> None:
+    async with scripted(tmp_path, 2) as (client, _, _):
+        response = await client.post(
+            "/v1/completions",
+            json={"prompt": "x", "script": {"die": True}},
+            headers={"X-Data-Parallel-Rank": "0"},
+        )
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "engine_dead" and "rank 0" in error["message"]
+
+
+# -- probes and metrics ---------------------------------------------------------------------
+
+
+async def test_health_and_ready_while_serving() -> None:
+    async with serving(create_app(mock=FAST_MOCK)) as client:
+        health = await client.get("/health")
+        ready = await client.get("/ready")
+    assert health.status_code == 200 and health.json()["live"] is True
+    assert ready.status_code == 200
+    assert ready.json() | {"room": None} == {
+        "gateway_draining": False,
+        "live": True,
+        "ready": True,
+        "draining": False,
+        "ranks_up": 2,
+        "size": 2,
+        "inflight": 0,
+        "room": None,
+    }
+
+
+async def test_metrics_parse_with_per_rank_series() -> None:
+    app = create_app(mock=FAST_MOCK, max_inflight=4)
+    async with serving(app) as client:
+        for rank in (0, 1, 1):
+            response = await client.post(
+                "/v1/completions",
+                json={"prompt": "abc", "max_tokens": 3},
+                headers={"X-Data-Parallel-Rank": str(rank)},
+            )
+            assert response.status_code == 200
+        await client.post("/v1/completions", content=b"nope")
+        text = (await client.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def samples(name: str, suffix: str = "") -> dict[str, float]:
+        return {
+            s.labels.get("rank", ""): s.value
+            for s in families[name].samples
+            if s.name == name + suffix
+        }
+
+    assert samples("zmqdp_rank_up") == {"0": 1.0, "1": 1.0}
+    assert samples("zmqdp_rank_cap") == {"0": 4.0, "1": 4.0}
+    assert samples("zmqdp_rank_inflight") == {"0": 0.0, "1": 0.0}
+    for name in ("zmqdp_rank_waiting", "zmqdp_rank_running", "zmqdp_rank_kv_usage"):
+        assert set(samples(name)) == {"0", "1"}
+    assert samples("zmqdp_rank_ttft_seconds", "_count") == {"0": 1.0, "1": 2.0}
+    assert samples("zmqdp_rank_latency_seconds", "_count") == {"0": 1.0, "1": 2.0}
+    assert families["zmqdp_rank_ttft_seconds"].type == "histogram"
+    assert samples("zmqdp_requests_submitted", "_total") == {"": 3.0}
+    assert samples("zmqdp_requests_finished", "_total") == {"": 3.0}
+    # every int counter of GroupStatistics is exported
+    st = stats(app)
+    for field in ("aborted", "failed", "timed_out", "overloaded", "overflowed"):
+        assert f"zmqdp_requests_{field}" in families, field
+    for field in ("protocol_errors", "late_outputs", "wakes", "resyncs", "impersonations"):
+        assert families[f"zmqdp_{field}"].samples[0].value == getattr(st, field)
+    http = {
+        (s.labels["route"], s.labels["status"]): s.value
+        for s in families["zmqdp_gateway_http_responses"].samples
+        if s.name.endswith("_total")
+    }
+    assert http[("completions", "200")] == 3 and http[("completions", "400")] == 1
+    assert families["zmqdp_gateway_completion_tokens"].samples[0].value == 9
+    assert families["zmqdp_group_ready"].samples[0].value == 1
+
+
+# -- lifecycle ------------------------------------------------------------------------------
+
+
+async def test_a_drain_turns_ready_off_first_and_lets_a_live_stream_finish(
+    tmp_path: Path,
+) -> None:
+    async with scripted(tmp_path) as (client, app, [engine]):
+        async with client.stream(
+            "POST", "/v1/completions", json={**hold(tokens=1), "stream": True}
+        ) as response:
+            stream = events(response)
+            assert json.loads(await anext(stream))["choices"][0]["text"] == " t0"
+            app.begin_drain()
+            ready = await client.get("/ready")
+            assert ready.status_code == 503 and ready.json()["gateway_draining"] is True
+            assert (await client.get("/health")).status_code == 200  # still live
+            assert app.group is not None
+            await wait_until(lambda: app.group is not None and app.group.health().draining)
+            refused = await client.post("/v1/completions", json={"prompt": "x"})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "draining"
+            await engine.finish(response.headers["x-request-id"])
+            rest = [d async for d in stream]
+        assert json.loads(rest[0])["choices"][0] == {
+            "text": " tdone",
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+        assert rest[-1] == "[DONE]"
+        await app.wait_drained()
+        assert stats(app).finished == 1 and stats(app).aborted == 0
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["live"] is False
+        late = await client.post("/v1/completions", json={"prompt": "x"})
+        assert late.status_code == 503
+
+
+async def test_a_drain_grace_keeps_serving_while_ready_is_off(tmp_path: Path) -> None:
+    async with scripted(tmp_path, drain_grace=30) as (client, app, _):
+        app.begin_drain()
+        assert (await client.get("/ready")).status_code == 503
+        served = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert served.status_code == 200  # the load balancer has not noticed yet
+        assert app.group is not None and not app.group.health().draining
+
+
+async def test_an_app_serves_a_group_it_was_given_and_leaves_it_open(tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/g"
+    async with trio.open_nursery() as nursery:
+        engine = TokenEngine(url, 0, 1)
+        nursery.start_soon(engine.run)
+        async with EngineGroup.connect(url, 1, ready_timeout=READY_TIMEOUT) as group:
+            app = create_app(group=group, dialect=ScriptDialect())
+            async with serving(app) as client:
+                response = await client.post(
+                    "/v1/completions", json={"prompt": "x", "max_tokens": 2}
+                )
+                assert response.json()["choices"][0]["text"] == " t0 t1"
+            assert group.closed is None and group.health().ready
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_group_that_does_not_form_fails_the_startup(tmp_path: Path) -> None:
+    app = create_app(f"ipc://{tmp_path}/g", 1, ready_timeout=0.2)
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(LifespanFailureError, match="HandshakeTimeout.*not ready"),
+        flatten_subgroups=True,
+    ):
+        await serve(app, config)  # type: ignore[arg-type]
+
+
+def test_create_app_refuses_contradictory_arguments() -> None:
+    with pytest.raises(ValueError, match="needs url and engines"):
+        create_app("ipc:///tmp/x")
+    with pytest.raises(ValueError, match="no url, engines or mock"):
+        create_app("ipc:///tmp/x", group=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        create_app(mock=FAST_MOCK, queue_timeout=-1)
+
+
+# -- the serve command ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout_s(40)
+async def test_serve_drains_on_sigterm_then_exits_0() -> None:
+    """`python -m zmqdp serve --mock`: the banner names the URL; SIGTERM turns /ready to
+    503 while a live stream goes on to [DONE]; then the process exits 0."""
+    cmd = [sys.executable, "-m", "zmqdp", "serve", "--mock", "--port", "0"]
+    cmd += ["--step-time", "0.01", "--log-level", "WARNING"]
+    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert proc.stdout is not None
+        out = b""
+        while b"try: curl" not in out:
+            data = await proc.stdout.receive_some()
+            assert data, out
+            out += data
+        url = out.split(b" at ", 1)[1].split(b" ", 1)[0].decode()
+        assert url.startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+            plain = await client.post("/v1/completions", content=b'{"prompt":"hi","max_tokens":5}')
+            assert plain.json()["choices"][0]["text"] == " t1001 t1002 t1003 t1004 t1005"
+            body = {"prompt": "hi", "max_tokens": 300, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                stream = events(response)
+                await anext(stream)
+                proc.send_signal(signal.SIGTERM)
+                # the server takes requests while it drains: poll readiness over HTTP
+                while (ready := await client.get("/ready")).status_code == 200:
+                    pass
+                assert ready.status_code == 503 and ready.json()["gateway_draining"] is True
+                rest = [d async for d in stream]
+            assert rest[-1] == "[DONE]"
+            assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        assert await proc.wait() == 0
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()

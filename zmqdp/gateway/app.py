@@ -1,0 +1,371 @@
+"""`GatewayApp`: the ASGI application, its routes, and the life of the engine group.
+
+Theory of operation
+-------------------
+Routes: ``POST /v1/completions`` (completions.py), ``GET /v1/models``, ``GET /health``
+(liveness: 200 while the group serves), ``GET /ready`` (readiness: 200 while it takes
+requests and no drain was asked for), ``GET /metrics`` (metrics.py).
+
+The lifespan owns the group. At ``lifespan.startup`` the app picks its backend from
+`sniffio.current_async_library()` (trio: `EngineGroup`; asyncio:
+`zmqdp.aio.AsyncioEngineGroup`), starts the embedded mock group if it has one, and
+connects (waiting for every rank, up to `ready_timeout`); a failure there is
+``lifespan.startup.failed`` with the reason, and the server does not start. The lifespan
+task then holds the group open until shutdown. An app given an already connected group
+(`create_app(group=...)`) neither connects nor closes it.
+
+Drain, in this order:
+
+1. `begin_drain()`: `/ready` answers 503 from now on (a load balancer stops sending);
+   requests are still served;
+2. after `drain_grace` seconds (default 0: at once; a server shutdown ends the grace
+   early), the group drains: new requests get
+   503 (`GroupDraining`), live ones run to their end, for at most `drain_timeout`
+   seconds, after which they are aborted on their ranks (their clients get a 503 or an
+   SSE error event); the group is then closed, and `/health` answers 503;
+3. `wait_drained()` returns: the caller stops the server. The `serve` entry point
+   (serve.py) does exactly this on SIGTERM or SIGINT, with hypercorn's
+   `shutdown_trigger` or a uvicorn `Server` subclass; an embedder does the same from its
+   own shutdown hook: ``app.begin_drain(); await app.wait_drained()``, then stop its
+   server.
+
+Step 2 runs in the lifespan task (it is woken by `begin_drain`), so `begin_drain` is a
+plain function: call it from the event loop's thread (a signal handler should hand it
+over, e.g. with `loop.call_soon_threadsafe`). A server shutdown without a drain (the
+server stopped for another reason) drains at ``lifespan.shutdown``: by then the server
+has closed its connections, so that drain is immediate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import sniffio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from ..mock import MockConfig
+from .backends import Backend, EventLike, GroupLike, backend_for
+from .completions import CompletionSettings, handle_completion
+from .dialect import Dialect, MockDialect
+from .errors import HTTPError
+from .http import Exchange, Receive, Scope, Send
+from .metrics import GatewayCollector, HTTPCounters
+
+__all__ = ["GatewayApp", "create_app"]
+
+log = logging.getLogger("zmqdp.gateway")
+
+DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
+"""Bytes: a prompt of 128k token ids in JSON is about 1 MiB."""
+
+
+def create_app(
+    url: str | None = None,
+    engines: int | None = None,
+    *,
+    group: GroupLike | None = None,
+    mock: MockConfig | None = None,
+    dialect: Dialect | None = None,
+    model: str = "zmqdp",
+    queue_timeout: float = 0.0,
+    retry_after: int = 1,
+    drain_timeout: float | None = 30.0,
+    drain_grace: float = 0.0,
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+    **connect_options: Any,
+) -> GatewayApp:
+    """An OpenAI-compatible `/v1/completions` ASGI app over an engine group.
+
+    The app connects to `url` and `engines` ranks at lifespan startup with
+    `connect_options` (`ready_timeout`, `silence_timeout`, `max_inflight`,
+    `request_timeout`, `max_buffered`, `curve`...: those of `EngineGroup.connect`), and
+    drains and closes the group at shutdown. `mock` also runs a mock group (engines
+    from the config unless `engines` says otherwise) on `url`, or on a private ipc path
+    if `url` is None. `group`: serve an already connected group instead (the caller
+    owns it: give no `url`, `engines`, `mock` or connect options).
+
+    `dialect` translates requests and outputs (default `MockDialect`, the mock engine's
+    bodies); `model` names the model in responses to requests without one.
+    `queue_timeout`: seconds a request waits for admission room before a 429 (0: 429 at
+    once); `retry_after`: the `Retry-After` of 429 and 503 answers. `drain_timeout`:
+    seconds a drain waits for live requests (None: no limit); `drain_grace`: seconds
+    between `/ready` turning 503 and the group refusing new requests (app.py).
+    """
+    if group is not None:
+        if url is not None or engines is not None or mock is not None or connect_options:
+            raise ValueError("create_app(group=...) serves that group: no url, engines or mock")
+    elif mock is not None:
+        if engines is not None and engines != mock.engines:
+            mock = dataclasses.replace(mock, engines=engines)
+    elif url is None or engines is None:
+        raise ValueError("create_app needs url and engines, a mock config, or a group")
+    if queue_timeout < 0 or retry_after < 0 or drain_grace < 0:
+        raise ValueError("queue_timeout, retry_after and drain_grace must be >= 0")
+    if drain_timeout is not None and drain_timeout < 0:
+        raise ValueError("drain_timeout must be >= 0 or None")
+    settings = CompletionSettings(
+        dialect=MockDialect() if dialect is None else dialect,
+        model=model,
+        queue_timeout=queue_timeout,
+        retry_after=retry_after,
+        max_body_size=max_body_size,
+    )
+    return GatewayApp._create(
+        url=url,
+        engines=mock.engines if mock is not None else engines,
+        group=group,
+        mock=mock,
+        settings=settings,
+        drain_timeout=drain_timeout,
+        drain_grace=drain_grace,
+        connect_options=connect_options,
+    )
+
+
+class GatewayApp:
+    """The ASGI app (`create_app` makes one). Call it as ``app(scope, receive, send)``."""
+
+    def __init__(self, *, _token: object = None, **kw: Any) -> None:
+        if _token is not _TOKEN:
+            raise TypeError("use zmqdp.gateway.create_app(...) to make a GatewayApp")
+        self._url: str | None = kw["url"]
+        self._engines: int | None = kw["engines"]
+        self._group: GroupLike | None = kw["group"]
+        self._owns_group = self._group is None
+        self._mock: MockConfig | None = kw["mock"]
+        self._settings: CompletionSettings = kw["settings"]
+        self._drain_timeout: float | None = kw["drain_timeout"]
+        self._drain_grace: float = kw["drain_grace"]
+        self._connect_options: dict[str, Any] = kw["connect_options"]
+        self._backend: Backend | None = None
+        self._drain_asked = False
+        self._drain_requested: EventLike | None = None
+        self._drained: EventLike | None = None
+        self.counters = HTTPCounters()
+        self.collector = GatewayCollector(self._statistics, self._health, self.counters)
+        """The Prometheus collector behind `/metrics` (metrics.py), to add to another
+        registry if the embedder serves its own metrics."""
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)
+        self._routes: dict[str, tuple[str, str, Callable[..., Any]]] = {
+            "/v1/completions": ("completions", "POST", self._completions),
+            "/v1/models": ("models", "GET", self._models),
+            "/health": ("health", "GET", self._liveness),
+            "/ready": ("ready", "GET", self._readiness),
+            "/metrics": ("metrics", "GET", self._metrics),
+        }
+
+    @classmethod
+    def _create(cls, **kw: Any) -> GatewayApp:
+        return cls(_token=_TOKEN, **kw)
+
+    # -- public state -----------------------------------------------------------------
+
+    @property
+    def group(self) -> GroupLike | None:
+        """The engine group, once connected (or as given)."""
+        return self._group
+
+    @property
+    def draining(self) -> bool:
+        """`begin_drain()` was called: `/ready` answers 503."""
+        return self._drain_asked
+
+    def begin_drain(self) -> None:
+        """Start the drain (module docstring): `/ready` turns 503 now; the lifespan task
+        drains the group. Idempotent; call it from the event loop's thread."""
+        if self._drain_asked:
+            return
+        self._drain_asked = True
+        log.info("drain asked: /ready answers 503")
+        if self._drain_requested is not None:
+            self._drain_requested.set()
+
+    async def wait_drained(self) -> None:
+        """Return once a drain has finished (the group is drained and closed). Needs the
+        lifespan to be running (it does the draining)."""
+        if self._drained is None:
+            raise RuntimeError("the gateway's lifespan has not started")
+        await self._drained.wait()
+
+    # -- ASGI -------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if kind != "http":
+            return
+        if self._backend is None:  # no lifespan (an embedded group): pick it now
+            self._backend = backend_for(sniffio.current_async_library())
+        route = self._routes.get(scope["path"])
+        if route is None:
+            await self._error(
+                send,
+                "other",
+                HTTPError(
+                    404, "invalid_request_error", "not_found", f"no route {scope['path'][:100]!r}"
+                ),
+            )
+            return
+        name, method, handler = route
+        if scope["method"] != method:
+            exchange = Exchange(send, name, self.counters)
+            exchange.headers.append((b"allow", method.encode()))
+            await exchange.fail(
+                HTTPError(
+                    405,
+                    "invalid_request_error",
+                    "method_not_allowed",
+                    f"{scope['path']} takes {method}, not {scope['method'][:20]}",
+                )
+            )
+            return
+        await handler(scope, receive, send)
+
+    async def _error(self, send: Send, route: str, error: HTTPError) -> None:
+        await Exchange(send, route, self.counters).fail(error)
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        assert self._backend is not None
+        await handle_completion(
+            scope,
+            receive,
+            send,
+            group=self._group,
+            backend=self._backend,
+            settings=self._settings,
+            counters=self.counters,
+        )
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        model = self._settings.model
+        body = {
+            "object": "list",
+            "data": [{"id": model, "object": "model", "created": 0, "owned_by": "zmqdp"}],
+        }
+        await Exchange(send, "models", self.counters).respond(200, json.dumps(body).encode())
+
+    def _health(self) -> Any:
+        return None if self._group is None else self._group.health()
+
+    def _statistics(self) -> Any:
+        return None if self._group is None else self._group.statistics()
+
+    def _probe_body(self) -> dict[str, Any]:
+        health = self._health()
+        body: dict[str, Any] = {"gateway_draining": self._drain_asked}
+        if health is None:
+            body["live"] = body["ready"] = False
+        else:
+            body.update(dataclasses.asdict(health))
+        return body
+
+    async def _liveness(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self._probe_body()
+        status = 200 if body["live"] else 503
+        await Exchange(send, "health", self.counters).respond(status, json.dumps(body).encode())
+
+    async def _readiness(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self._probe_body()
+        body["ready"] = ready = bool(body["ready"]) and not self._drain_asked
+        status = 200 if ready else 503
+        await Exchange(send, "ready", self.counters).respond(status, json.dumps(body).encode())
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        data = generate_latest(self.registry)
+        await Exchange(send, "metrics", self.counters).respond(
+            200, data, CONTENT_TYPE_LATEST.encode()
+        )
+
+    # -- lifespan ---------------------------------------------------------------------
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        message = await receive()
+        if message["type"] != "lifespan.startup":
+            return
+        backend = self._backend = backend_for(sniffio.current_async_library())
+        self._drain_requested = requested = backend.event()
+        self._drained = backend.event()
+        if self._drain_asked:
+            requested.set()
+        failure: str | None = None
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    await self._start(stack, backend)
+                except Exception as exc:
+                    failure = f"{type(exc).__name__}: {exc}"
+                else:
+                    await send({"type": "lifespan.startup.complete"})
+                    winner, _ = await backend.race(lambda: _next_message(receive), requested.wait)
+                    if winner == 1:  # begin_drain()
+                        shutdown = False
+                        if self._drain_grace > 0:  # a server shutdown cuts the grace short
+                            first, _ = await backend.race(
+                                lambda: _next_message(receive),
+                                lambda: backend.sleep(self._drain_grace),
+                            )
+                            shutdown = first == 0
+                        await self._drain(asked=True)
+                        if not shutdown:
+                            await _next_message(receive)  # lifespan.shutdown
+                    else:  # a shutdown without a drain: the server has closed its connections
+                        self._drain_asked = True
+                        await self._drain(asked=False)
+        except Exception as exc:
+            if failure is None:
+                log.exception("gateway shutdown failed")
+                await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
+                return
+            log.exception("gateway startup cleanup failed")
+        if failure is not None:
+            log.error("gateway startup failed: %s", failure)
+            await send({"type": "lifespan.startup.failed", "message": failure})
+            return
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _start(self, stack: contextlib.AsyncExitStack, backend: Backend) -> None:
+        if not self._owns_group:
+            return
+        url, engines = self._url, self._engines
+        assert engines is not None
+        if self._mock is not None:
+            if url is None:
+                directory = tempfile.mkdtemp(prefix="zmqdp-gateway-")
+                stack.callback(shutil.rmtree, directory, ignore_errors=True)
+                url = f"ipc://{directory}/group"
+            await stack.enter_async_context(backend.run_mock(url, self._mock))
+            log.info("mock group of %d rank(s) at %s", engines, url)
+        assert url is not None
+        self._group = await stack.enter_async_context(
+            backend.connect(url, engines, self._connect_options)
+        )
+        log.info("engine group of %d rank(s) connected at %s (%s)", engines, url, backend.name)
+
+    async def _drain(self, *, asked: bool) -> None:
+        """Step 2 of the drain (module docstring), in the lifespan task. A group the app
+        does not own is drained on `begin_drain()` only, never at a plain shutdown."""
+        assert self._drained is not None
+        group = self._group
+        if group is not None and (self._owns_group or asked):
+            health = group.health()
+            log.info("draining the engine group: %d live request(s)", health.inflight)
+            await group.drain(self._drain_timeout)
+            log.info("the engine group is drained")
+        self._drained.set()
+
+
+async def _next_message(receive: Receive) -> Mapping[str, Any]:
+    return await receive()
+
+
+_TOKEN = object()

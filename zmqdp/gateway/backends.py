@@ -1,0 +1,325 @@
+"""What the gateway needs from its async library, for trio and for asyncio.
+
+Why a shim
+----------
+The gateway runs on two stacks: hypercorn's trio worker with `EngineGroup`, and uvicorn
+(asyncio) with `zmqdp.aio.AsyncioEngineGroup`, which runs trio in guest mode inside the
+asyncio loop. The ASGI code above this module is written once; the few things it needs
+from the loop it runs on are here, chosen at lifespan startup by
+`sniffio.current_async_library()`:
+
+* `event()`: a one-shot event (`trio.Event` / `asyncio.Event`);
+* `race(a, b, ...)`: run coroutine functions concurrently; the first to finish wins and
+  the others are cancelled *and waited for* before `race` returns. The request path uses
+  it to run the response next to the `http.disconnect` watcher; the lifespan to wait for
+  "shutdown" or "drain";
+* `within(seconds, fn)`: `fn()` under a timeout (waiting for admission room);
+* `sleep`, `connect` (the group flavour) and `run_mock` (the embedded mock group).
+
+anyio would give the same (and more), but it would be a new dependency for about sixty
+lines, and its cancel scopes on asyncio add a layer under every await of the hot path;
+`race` is the only structured-concurrency primitive the gateway uses.
+
+Cancellation in `race`: an error raised by a contestant (an `Exception`) ends the race
+and is re-raised as itself, not in an `ExceptionGroup`: the request path maps it to an
+HTTP status. Cancellation of the task calling `race` cancels every contestant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import trio
+
+from .._core.messages import Output
+
+if TYPE_CHECKING:
+    from ..client import GroupHealth, GroupStatistics, Request
+    from ..mock import MockConfig
+
+__all__ = [
+    "AsyncioBackend",
+    "Backend",
+    "EventLike",
+    "GroupLike",
+    "StreamLike",
+    "TrioBackend",
+    "backend_for",
+    "mock_command",
+]
+
+log = logging.getLogger("zmqdp.gateway")
+
+T = TypeVar("T")
+
+
+class StreamLike(Protocol):
+    """What the gateway uses of a request stream (`RequestStream`, or the asyncio
+    flavour's): `async with` (leaving early aborts the request on its rank) and
+    `receive_batch()` (every buffered output, waiting for the first)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def request_id(self) -> str: ...
+
+    async def __aenter__(self) -> object: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    async def receive_batch(self) -> list[Output]: ...
+
+
+class GroupLike(Protocol):
+    """What the gateway uses of an engine group: `EngineGroup` and
+    `zmqdp.aio.AsyncioEngineGroup` share it."""
+
+    @property
+    def size(self) -> int: ...
+
+    def submit(self, request: Request) -> StreamLike: ...
+
+    async def wait_submit(self, request: Request) -> StreamLike: ...
+
+    async def drain(self, timeout: float | None = None) -> None: ...  # noqa: ASYNC109
+
+    def health(self) -> GroupHealth: ...
+
+    def statistics(self) -> GroupStatistics: ...
+
+
+class EventLike(Protocol):
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    async def wait(self) -> Any: ...
+
+
+class Backend(Protocol):
+    """The async library the gateway runs on (module docstring)."""
+
+    name: str
+
+    def event(self) -> EventLike: ...
+
+    async def race(self, *fns: Callable[[], Awaitable[T]]) -> tuple[int, T]:
+        """(index, value) of the first of `fns` to finish; the others are cancelled and
+        waited for. The first to raise an `Exception` makes `race` raise it instead."""
+        ...
+
+    async def within(self, seconds: float, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+        """(True, fn()) if it finished within `seconds`, else (False, None), cancelled."""
+        ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+    def connect(
+        self, url: str, engines: int, options: dict[str, Any]
+    ) -> AbstractAsyncContextManager[GroupLike]: ...
+
+    def run_mock(self, url: str, config: MockConfig) -> AbstractAsyncContextManager[None]: ...
+
+
+class _Finish:
+    """The first contestant of a race to finish: its index and value, or its error."""
+
+    __slots__ = ("error", "index", "value")
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.value: Any = None
+        self.error: Exception | None = None
+
+    def take(self, index: int, value: Any, error: Exception | None) -> bool:
+        if self.index >= 0:
+            return False
+        self.index, self.value, self.error = index, value, error
+        return True
+
+    def result(self) -> tuple[int, Any]:
+        if self.error is not None:
+            raise self.error
+        return self.index, self.value
+
+
+class TrioBackend:
+    """trio (hypercorn's trio worker): `EngineGroup`, nurseries, cancel scopes."""
+
+    name = "trio"
+
+    def event(self) -> EventLike:
+        return trio.Event()
+
+    async def race(self, *fns: Callable[[], Awaitable[T]]) -> tuple[int, T]:
+        finish = _Finish()
+
+        async with trio.open_nursery() as nursery:
+
+            async def run(index: int, fn: Callable[[], Awaitable[T]]) -> None:
+                try:
+                    value = await fn()
+                except Exception as exc:
+                    finish.take(index, None, exc)
+                else:
+                    finish.take(index, value, None)
+                nursery.cancel_scope.cancel()
+
+            for index, fn in enumerate(fns):
+                nursery.start_soon(run, index, fn)
+        return finish.result()
+
+    async def within(self, seconds: float, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+        with trio.move_on_after(seconds):
+            return True, await fn()
+        return False, None
+
+    async def sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+
+    def connect(
+        self, url: str, engines: int, options: dict[str, Any]
+    ) -> AbstractAsyncContextManager[GroupLike]:
+        from ..client import EngineGroup
+
+        return EngineGroup.connect(url, engines, **options)
+
+    @asynccontextmanager
+    async def run_mock(self, url: str, config: MockConfig) -> AsyncIterator[None]:
+        from ..mock import run_mock_group
+
+        async with trio.open_nursery() as nursery:
+            # start_soon, not start: the ranks are up only once the group has bound the
+            # URL and answered their HELLOs, which `connect` does next.
+            nursery.start_soon(run_mock_group, url, config)
+            yield
+            nursery.cancel_scope.cancel()
+
+
+class AsyncioBackend:
+    """asyncio (uvicorn): `zmqdp.aio.AsyncioEngineGroup`, tasks, `asyncio.timeout`."""
+
+    name = "asyncio"
+
+    def event(self) -> EventLike:
+        return asyncio.Event()
+
+    async def race(self, *fns: Callable[[], Awaitable[T]]) -> tuple[int, T]:
+        finish = _Finish()
+
+        async def run(index: int, fn: Callable[[], Awaitable[T]]) -> None:
+            try:
+                value = await fn()
+            except Exception as exc:
+                finish.take(index, None, exc)
+            else:
+                finish.take(index, value, None)
+
+        tasks = [asyncio.create_task(run(i, fn)) for i, fn in enumerate(fns)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            # Wait for the losers to unwind (a stream's `async with` aborts its request).
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return finish.result()
+
+    async def within(self, seconds: float, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+        try:
+            async with asyncio.timeout(seconds) as scope:
+                return True, await fn()
+        except TimeoutError:
+            if scope.expired():
+                return False, None
+            raise
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def connect(
+        self, url: str, engines: int, options: dict[str, Any]
+    ) -> AbstractAsyncContextManager[GroupLike]:
+        from ..aio import AsyncioEngineGroup
+
+        group: AbstractAsyncContextManager[GroupLike] = AsyncioEngineGroup.connect(
+            url, engines, **options
+        )
+        return group
+
+    @asynccontextmanager
+    async def run_mock(self, url: str, config: MockConfig) -> AsyncIterator[None]:
+        """The mock group in a subprocess (`python -m zmqdp mock`): the asyncio flavour
+        owns the trio run it hosts, so the mock ranks run next to it, not inside it.
+        SIGTERM on the way out, SIGKILL after 5 s."""
+        proc = await asyncio.create_subprocess_exec(
+            *mock_command(url, config),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=None,
+        )
+        try:
+            yield
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    async with asyncio.timeout(5.0):
+                        await proc.wait()
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+
+
+def mock_command(url: str, config: MockConfig) -> Sequence[str]:
+    """`python -m zmqdp mock ...` for `config` (what its command line can say)."""
+    from ..mock import MockConfig, RankFaults
+
+    default = MockConfig()
+    if config.kv_tokens != default.kv_tokens:
+        raise ValueError("MockConfig.kv_tokens has no command-line form (python -m zmqdp mock)")
+    cmd = [sys.executable, "-m", "zmqdp", "mock", "--url", url, "--engines", str(config.engines)]
+    cmd += ["--step-time", repr(config.step_time), "--max-num-seqs", str(config.max_num_seqs)]
+    cmd += ["--sync-interval", str(config.sync_interval), "--skew", repr(config.skew)]
+    if config.lockstep:
+        cmd.append("--lockstep")
+    if config.self_wake:
+        cmd.append("--self-wake")
+    if not config.wave_agreement:
+        cmd.append("--no-wave-agreement")
+    if config.keys is not None:
+        cmd += ["--keys", config.keys]
+    none = RankFaults()
+    for rank, faults in sorted(config.faults.items()):
+        for kind, attr in (
+            ("dead", "dead_after"),
+            ("silent", "silent_after"),
+            ("garbage", "garbage"),
+            ("rejoin", "rejoin_after"),
+            ("slow", "slow"),
+            ("bad_hello", "bad_hello"),
+        ):
+            value = getattr(faults, attr)
+            if value != getattr(none, attr):
+                cmd += ["--fault", f"{rank}:{kind}={value}"]
+    return cmd
+
+
+def backend_for(library: str) -> Backend:
+    """The backend of `sniffio.current_async_library()`'s answer."""
+    if library == "trio":
+        return TrioBackend()
+    if library == "asyncio":
+        return AsyncioBackend()
+    raise RuntimeError(f"zmqdp.gateway runs on trio or asyncio, not {library!r}")

@@ -1,0 +1,283 @@
+"""`POST /v1/completions`: one HTTP request, one engine request.
+
+Theory of operation
+-------------------
+The request path, in order:
+
+1. **Read the body** (up to `max_body_size`, else 413). A client that goes away
+   meanwhile ends the exchange here; nothing was submitted.
+2. **Validate**: the JSON (`openai.parse_completion`), the optional
+   `X-Data-Parallel-Rank` header (an int >= 0, else 400), then the dialect's
+   `prepare` (its `ValueError` is a 400). Still nothing submitted.
+3. **Race the response against the disconnect watcher** (`backend.race`). From here on
+   the `receive` callable says nothing but `http.disconnect`, and a watcher task waits
+   for it; the response runs next to it. Whichever finishes first cancels the other.
+4. Inside the response:
+
+   a. **Submit**: `group.submit` (never blocks), or with a queue time `wait_submit`
+      under that timeout. `Overloaded` or no room in time is a 429 with `Retry-After`;
+      draining, closed or no rank up a 503; a bad pinned rank a 400 (503 if it exists
+      but is down). A cancellation while waiting for room submits nothing.
+   b. **Enter the stream's `async with` at once**, with no await in between, so the
+      request is never live without the block that aborts it.
+   c. **Read batches** with `receive_batch()`: everything buffered at once, so a burst
+      of outputs is one HTTP write. Non-streaming: collect until the terminal output,
+      then one JSON response. Streaming: the status line and SSE headers go out with
+      the first batch (an error before the first output still gets its own status:
+      504, 502...), then one write per batch, the last with `finish_reason`, the usage
+      chunk if asked for, and `[DONE]`.
+   d. A zmqdp error read from the stream becomes an HTTP error (errors.py): its status
+      before the first write, an SSE error event after it (then the response ends,
+      without `[DONE]`).
+
+Disconnect handling: if the client goes away during 4, the watcher wins the race and
+the response task is **cancelled inside the stream's `async with`**: leaving it early
+aborts the request on its own rank (a synchronous queue operation in the group, so it
+cannot be lost to the cancellation), whether the response was streaming or still
+collecting a non-streaming answer, or still waiting for room (then nothing was
+submitted). Without the watcher the gateway would never know: hypercorn and uvicorn
+accept and drop writes to a closed connection, and a non-streaming request writes
+nothing until the end, so the engine would generate the whole answer for nobody.
+
+If the response ends first, the watcher is cancelled; a disconnect after the last
+write is not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from .._core.errors import ZmqdpError
+from ..client import Request
+from .backends import Backend, GroupLike, StreamLike
+from .dialect import CompletionRequest, Dialect, Prepared
+from .errors import HTTPError, http_error
+from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_disconnect
+from .metrics import HTTPCounters
+from .openai import DONE, chunk, completion, parse_completion
+
+__all__ = ["RANK_HEADER", "CompletionSettings", "handle_completion"]
+
+log = logging.getLogger("zmqdp.gateway")
+
+RANK_HEADER = b"x-data-parallel-rank"
+"""Pins the request to one rank (vLLM's and SGLang's header)."""
+
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionSettings:
+    dialect: Dialect
+    model: str
+    """The `model` of responses to requests that name none."""
+    queue_timeout: float
+    """Seconds to wait for admission room before a 429 (0: answer 429 at once)."""
+    retry_after: int
+    """The `Retry-After` of 429 and 503 answers, in seconds."""
+    max_body_size: int
+
+
+def _rank(scope: Scope) -> int | None:
+    value = header(scope, RANK_HEADER)
+    if value is None:
+        return None
+    text = value.decode("latin-1").strip()
+    if not text.isdigit() or not text.isascii():
+        raise HTTPError(
+            400,
+            "invalid_request_error",
+            "invalid_rank",
+            f"X-Data-Parallel-Rank must be a rank number (an int >= 0), got {text[:40]!r}",
+        )
+    return int(text)
+
+
+async def handle_completion(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    *,
+    group: GroupLike | None,
+    backend: Backend,
+    settings: CompletionSettings,
+    counters: HTTPCounters,
+) -> None:
+    """Serve one `POST /v1/completions` (module docstring)."""
+    exchange = Exchange(send, "completions", counters)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    exchange.headers.append((b"x-request-id", request_id.encode()))
+    counters.active += 1
+    try:
+        try:
+            body = await read_body(receive, settings.max_body_size)
+            if body is None:
+                counters.disconnects[exchange.route] += 1
+                return
+            request = parse_completion(body)
+            rank = _rank(scope)
+            try:
+                prepared = settings.dialect.prepare(request)
+            except ValueError as exc:
+                raise HTTPError(400, "invalid_request_error", "invalid_request", str(exc)) from None
+            if group is None:
+                raise HTTPError(
+                    503,
+                    "service_unavailable",
+                    "starting",
+                    "the engine group is not connected (yet)",
+                    retry_after=settings.retry_after,
+                )
+        except HTTPError as error:
+            await exchange.fail(error)
+            return
+        response = _Response(
+            group, backend, settings, counters, exchange, request_id, request, prepared, rank
+        )
+        winner, _ = await backend.race(response.run, lambda: wait_for_disconnect(receive))
+        if winner == 1 and not exchange.ended:
+            counters.disconnects[exchange.route] += 1
+            log.info(
+                "request %r (rank %s): the client went away; the request was aborted on its rank",
+                request_id,
+                response.rank,
+            )
+    finally:
+        counters.active -= 1
+
+
+class _Response:
+    """Steps 4a-4d of the module docstring, for one request."""
+
+    def __init__(
+        self,
+        group: GroupLike,
+        backend: Backend,
+        settings: CompletionSettings,
+        counters: HTTPCounters,
+        exchange: Exchange,
+        request_id: str,
+        request: CompletionRequest,
+        prepared: Prepared,
+        rank: int | None,
+    ) -> None:
+        self.group = group
+        self.backend = backend
+        self.settings = settings
+        self.counters = counters
+        self.exchange = exchange
+        self.request_id = request_id
+        self.request = request
+        self.prepared = prepared
+        self.pinned = rank
+        self.rank: int | None = None
+        self.model = request.model or settings.model
+        self.created = int(time.time())
+
+    def _error(self, exc: BaseException) -> HTTPError:
+        error = http_error(exc, retry_after=self.settings.retry_after, size=self.group.size)
+        if error.status >= 500:
+            if isinstance(exc, ZmqdpError):
+                log.warning("request %r: %d: %s", self.request_id, error.status, exc)
+            else:
+                log.error("request %r: %s", self.request_id, exc, exc_info=exc)
+        return error
+
+    async def _submit(self) -> StreamLike:
+        request = Request(self.request_id, self.prepared.body, self.pinned)
+        wait = self.settings.queue_timeout
+        if wait <= 0:
+            return self.group.submit(request)
+        done, stream = await self.backend.within(wait, lambda: self.group.wait_submit(request))
+        if not done or stream is None:
+            raise HTTPError(
+                429,
+                "rate_limit_error",
+                "queue_timeout",
+                f"request {self.request_id!r}: no room on "
+                + ("any rank" if self.pinned is None else f"rank {self.pinned}")
+                + f" within the queue time ({wait:g} s)",
+                retry_after=self.settings.retry_after,
+            )
+        return stream
+
+    async def run(self) -> None:
+        exchange = self.exchange
+        try:
+            stream = await self._submit()
+        except (ZmqdpError, HTTPError) as exc:
+            await exchange.fail(self._error(exc))
+            return
+        self.rank = stream.rank
+        exchange.headers.append((b"x-data-parallel-rank", b"%d" % stream.rank))
+        try:
+            async with stream:
+                if self.request.stream:
+                    await self._stream(stream)
+                else:
+                    await self._complete(stream)
+        except Exception as exc:
+            await exchange.fail(self._error(exc))
+
+    async def _complete(self, stream: StreamLike) -> None:
+        decode = self.prepared.decode
+        parts: list[str] = []
+        tokens = 0
+        finish: str | None = None
+        while finish is None:
+            for out in await stream.receive_batch():
+                piece = decode(out)
+                parts.append(piece.text)
+                tokens += piece.tokens
+                if out.finish is not None:
+                    finish = piece.finish_reason or "stop"
+        self.counters.completion_tokens += tokens
+        self.counters.prompt_tokens += self.prepared.prompt_tokens
+        await self.exchange.respond(
+            200,
+            completion(
+                self.request_id,
+                self.created,
+                self.model,
+                "".join(parts),
+                finish,
+                self.prepared.prompt_tokens,
+                tokens,
+            ),
+        )
+
+    async def _stream(self, stream: StreamLike) -> None:
+        decode = self.prepared.decode
+        exchange = self.exchange
+        counters = self.counters
+        prompt_tokens = self.prepared.prompt_tokens
+        tokens = 0
+        finish: str | None = None
+        counters.prompt_tokens += prompt_tokens
+        while finish is None:
+            parts: list[str] = []
+            for out in await stream.receive_batch():
+                piece = decode(out)
+                parts.append(piece.text)
+                tokens += piece.tokens
+                counters.completion_tokens += piece.tokens
+                if out.finish is not None:
+                    finish = piece.finish_reason or "stop"
+            data = chunk(self.request_id, self.created, self.model, "".join(parts), finish)
+            if finish is not None:
+                if self.request.include_usage:
+                    data += chunk(
+                        self.request_id,
+                        self.created,
+                        self.model,
+                        None,
+                        None,
+                        (prompt_tokens, tokens),
+                    )
+                data += DONE
+            if not exchange.started:
+                await exchange.start(200, b"text/event-stream", SSE_HEADERS)
+            await exchange.body(data, more=finish is None)

@@ -1,0 +1,121 @@
+"""Dialects: how an OpenAI completion request becomes an engine request body, and how
+the engine's outputs become text.
+
+Why a dialect
+-------------
+zmqdp carries opaque bodies (docs/protocol.md §8): what an ADD says and what an output
+holds is between the application and its engines. The gateway is the application here,
+and it speaks OpenAI on one side and one engine's body format on the other. A dialect is
+that translation, and nothing else: the HTTP handling, admission, disconnects, errors and
+metrics stay the same for every engine.
+
+The interface is two calls, kept small on purpose (a vLLM dialect, with a tokenizer and
+an incremental detokenizer, is the next one):
+
+* `Dialect.prepare(request)` -> `Prepared`: validate what this engine needs of the
+  request (raise `ValueError` for the client's mistakes: the gateway answers 400 with the
+  message), and return the engine body, the prompt's token count (for `usage`) and a
+  `decode` function for this one request;
+* `Prepared.decode(output)` -> `Piece`: the text of one output, the completion tokens it
+  stands for, and the OpenAI `finish_reason` of the terminal output. It is called once
+  per output, in order, from one task, so it may keep per-request state (an incremental
+  detokenizer holding back an incomplete UTF-8 sequence, stop strings...).
+
+`decode` must not block: it runs on the event loop, between outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._core.messages import Output
+
+__all__ = ["CompletionRequest", "Dialect", "MockDialect", "Piece", "Prepared"]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A `POST /v1/completions` body, validated (`zmqdp.gateway.openai.parse_completion`)."""
+
+    prompt: str | tuple[int, ...]
+    """The one prompt: text, or token ids (a list of one prompt is unwrapped)."""
+    max_tokens: int
+    stream: bool
+    model: str | None
+    user: str | None
+    include_usage: bool
+    """`stream_options.include_usage`: a last chunk with `usage` before `[DONE]`."""
+    raw: Mapping[str, Any]
+    """The whole JSON object, for the fields a dialect reads itself (`temperature`,
+    `stop`, `seed`, ...): the gateway ignores the fields it does not know."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """What one engine output adds to the completion."""
+
+    text: str
+    tokens: int = 1
+    """Completion tokens this output stands for (`usage.completion_tokens`)."""
+    finish_reason: str | None = None
+    """The OpenAI finish reason (`"stop"`, `"length"`...) of the terminal output; if a
+    dialect leaves it None there, the gateway says `"stop"`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """One request, ready for the engine."""
+
+    body: Any
+    """The ADD body (any CBOR-able value the engine understands)."""
+    prompt_tokens: int
+    decode: Callable[[Output], Piece]
+    """Called for each output of this request, in order (module docstring)."""
+
+
+class Dialect(Protocol):
+    """Translates between OpenAI completions and one engine's bodies (module docstring)."""
+
+    def prepare(self, request: CompletionRequest) -> Prepared:
+        """The engine body for `request`; `ValueError` (its message goes to the client,
+        status 400) if this engine cannot serve it."""
+        ...
+
+
+class MockDialect:
+    """The mock engine's bodies (`zmqdp.mock`), and a stand-in for any engine that takes
+    token ids and sends one token per output.
+
+    * a text prompt becomes its UTF-8 bytes as token ids (a byte-level "tokenizer":
+      ``"hi"`` -> ``[104, 105]``); a token-id prompt is sent as is;
+    * the body is ``{"prompt": [int, ...], "max_tokens": k}``;
+    * an output ``{"token": n}`` is the text ``f" t{n}"``; an output ``{"text": s}`` is
+      ``s``; any other output is one token with no text;
+    * the engine's finish string is the finish reason (the mock says ``"length"``).
+    """
+
+    max_prompt_tokens: int = 1 << 20
+
+    def prepare(self, request: CompletionRequest) -> Prepared:
+        prompt = request.prompt
+        ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this engine takes at most "
+                f"{self.max_prompt_tokens}"
+            )
+        return Prepared({"prompt": ids, "max_tokens": request.max_tokens}, len(ids), _mock_piece)
+
+
+def _mock_piece(output: Output) -> Piece:
+    body = output.body
+    text = ""
+    if isinstance(body, dict):
+        token = body.get("token")
+        if type(token) is int:
+            text = f" t{token}"
+        elif isinstance(body.get("text"), str):
+            text = body["text"]
+    return Piece(text, 1, output.finish)

@@ -1,0 +1,110 @@
+"""Which HTTP status each failure gets, and why.
+
+=====================================  ======  ==========================================
+failure                                status  meaning for the client
+=====================================  ======  ==========================================
+invalid JSON, a wrong field,           400     fix the request; do not retry as is
+`InvalidRequest`, a pinned rank that
+does not exist (`X-Data-Parallel-Rank`)
+`Overloaded` (every rank, or the       429     retry after `Retry-After` seconds
+pinned one, at its in-flight cap), or
+no room within the queue time
+`GroupDraining`, `GroupClosed`,        503     retry elsewhere / later (`Retry-After`)
+`NoEngineAvailable`, a pinned rank
+that is down, the group not yet up
+`RequestTimeout` (the request's        504     the engine did not finish in time; the
+deadline passed)                               request was aborted on its rank
+`EngineDead`, `ProtocolError`,         502     the engine failed the request
+`StreamTruncated`
+anything else                          500     a bug; logged with its traceback
+=====================================  ======  ==========================================
+
+Once a streaming response has started, the status is sent already: the same error goes
+out as a last SSE event ``data: {"error": {...}}`` and the response ends without
+``[DONE]`` (the OpenAI client raises `APIError` on it).
+
+The message is zmqdp's own: it names the rank and the request id (the response's `id`,
+also in the `X-Request-Id` header), so one log line or one client error is enough to
+find the engine and the request.
+"""
+
+from __future__ import annotations
+
+from .._core.errors import (
+    DuplicateRequestId,
+    EngineDead,
+    GroupClosed,
+    GroupDraining,
+    InvalidRank,
+    InvalidRequest,
+    NoEngineAvailable,
+    Overloaded,
+    ProtocolError,
+    RequestTimeout,
+    StreamOverflow,
+    StreamTruncated,
+)
+
+__all__ = ["HTTPError", "http_error"]
+
+
+class HTTPError(Exception):
+    """A failure with its HTTP status and OpenAI error fields (`type`, `code`)."""
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+        """Seconds for a `Retry-After` header (429, 503), or None for none."""
+
+
+def http_error(exc: BaseException, *, retry_after: int, size: int) -> HTTPError:
+    """The HTTP answer to `exc`, raised by `submit` or read from a stream of a group of
+    `size` ranks."""
+    if isinstance(exc, HTTPError):
+        return exc
+    message = str(exc)
+    if isinstance(exc, Overloaded):
+        return HTTPError(429, "rate_limit_error", "overloaded", message, retry_after=retry_after)
+    if isinstance(exc, GroupDraining):
+        return HTTPError(503, "service_unavailable", "draining", message, retry_after=retry_after)
+    if isinstance(exc, GroupClosed):
+        return HTTPError(
+            503, "service_unavailable", "group_closed", message, retry_after=retry_after
+        )
+    if isinstance(exc, NoEngineAvailable):
+        return HTTPError(
+            503, "service_unavailable", "no_engine_available", message, retry_after=retry_after
+        )
+    if isinstance(exc, InvalidRank):
+        if type(exc.rank) is int and 0 <= exc.rank < size:  # it exists, it is down
+            return HTTPError(
+                503, "service_unavailable", "rank_unavailable", message, retry_after=retry_after
+            )
+        return HTTPError(400, "invalid_request_error", "invalid_rank", message)
+    if isinstance(exc, InvalidRequest | DuplicateRequestId):
+        return HTTPError(400, "invalid_request_error", "invalid_request", message)
+    if isinstance(exc, RequestTimeout):
+        return HTTPError(504, "timeout_error", "request_timeout", message)
+    if isinstance(exc, EngineDead):
+        return HTTPError(502, "engine_error", "engine_dead", message)
+    if isinstance(exc, ProtocolError):
+        return HTTPError(502, "engine_error", "protocol_error", message)
+    if isinstance(exc, StreamTruncated):
+        return HTTPError(502, "engine_error", "truncated", message)
+    if isinstance(exc, StreamOverflow):
+        return HTTPError(500, "internal_error", "stream_overflow", message)
+    return HTTPError(500, "internal_error", "internal_error", f"internal error: {message}")

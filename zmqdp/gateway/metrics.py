@@ -1,0 +1,238 @@
+"""`GET /metrics`: the group's `statistics()` and `health()`, and the gateway's own HTTP
+counters, in the Prometheus text exposition format.
+
+Why a custom collector
+----------------------
+The group already counts everything (sans-IO counters and histograms, snapshotted by
+`statistics()` in one call). Mirroring that into prometheus_client `Counter`/`Gauge`
+objects would mean updating them on the request path and keeping two truths. A custom
+collector instead reads one snapshot per scrape and renders it, so a scrape costs one
+`statistics()` call and the request path costs nothing.
+
+Every per-rank series carries ``rank="<r>"`` (vLLM's DP metrics only ever showed the
+last engine until they got an `engine` label; users ask for this first). Group counters
+are named after `GroupStatistics` fields; a counter that a later zmqdp adds to
+`GroupStatistics` is exported too (``zmqdp_<field>_total``), with a generic help text,
+so the exposition never silently lags the library.
+
+The collector is registered in the app's own `CollectorRegistry` (several apps in one
+process, as in the tests, do not collide). An embedder that serves its own /metrics adds
+`app.collector` to its registry: ``prometheus_client.REGISTRY.register(app.collector)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from .._core.metrics import HistogramSnapshot
+from ..client import GroupHealth, GroupStatistics, RankState
+
+__all__ = ["GatewayCollector", "HTTPCounters"]
+
+REQUEST_COUNTERS: dict[str, str] = {
+    "submitted": "Requests accepted by submit (their ADD was queued).",
+    "finished": "Requests that ended with their terminal output.",
+    "truncated": "Requests the engine listed in `finished` without a terminal output.",
+    "aborted": "Requests aborted by the client (a closed stream: an HTTP client went away).",
+    "failed": "Requests ended because their rank died or the group closed.",
+    "rolled_back": "Submits refused because the body could not be encoded or was too large.",
+    "protocol_failed": "Requests ended by a malformed entry naming them.",
+    "overflowed": "Requests whose consumer fell max_buffered outputs behind.",
+    "timed_out": "Requests aborted because their deadline passed.",
+    "overloaded": "Submits refused by admission control (HTTP 429).",
+}
+"""`GroupStatistics` counters of requests: ``zmqdp_requests_<name>_total``."""
+
+GROUP_COUNTERS: dict[str, str] = {
+    "protocol_errors": "Messages that were not valid batches (each killed its rank).",
+    "malformed_entries": "Malformed entries of otherwise valid batches.",
+    "stale_messages": "Messages of a dead incarnation of a rank.",
+    "late_outputs": "Entries for requests that had already ended (outputs racing an abort).",
+    "unknown_outputs": "Entries naming a wire id the client never issued.",
+    "wakes": "WAKE rounds sent to a lockstep group.",
+    "stall_wakes": "Extra WAKEs for a stalled lockstep rank.",
+    "fallbacks": "Safety-timeout firings of the socket adapter (0 when healthy).",
+    "rejected_hellos": "Handshake messages answered with REJECT.",
+    "ignored_handshake_messages": "Handshake messages out of turn or invalid.",
+    "stale_registers": "REGISTERs of a dead incarnation.",
+    "resyncs": "RESYNCs sent to ranks the group waited for.",
+    "dropped_answers": "Handshake answers dropped because the peer did not read them.",
+    "identity_conflicts": "Ranks that said HELLO again soon after their previous HELLO.",
+    "refused_connections": "CURVE: connections refused (key not on the allow-list).",
+    "impersonations": "CURVE: messages whose routing id was not their key's rank.",
+}
+"""Other `GroupStatistics` counters: ``zmqdp_<name>_total``."""
+
+_NOT_COUNTERS = {"ranks", "lockstep", "wave", "waiting"}
+
+
+class HTTPCounters:
+    """The gateway's own counts, kept as plain ints on the request path."""
+
+    def __init__(self) -> None:
+        self.responses: Counter[tuple[str, int]] = Counter()
+        """(route, status) -> responses started."""
+        self.disconnects: Counter[str] = Counter()
+        """route -> requests whose client went away before the response ended."""
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.active = 0
+        """Completion requests being handled now."""
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as Prometheus writes it (`+Inf`, `0.005`, `1.0`)."""
+    return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+def _histogram(name: str, doc: str) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, labels=["rank"], unit="seconds")
+
+
+def _add_histogram(family: HistogramMetricFamily, rank: str, snap: HistogramSnapshot) -> None:
+    buckets = [(_le(bound), float(n)) for bound, n in snap.cumulative()]
+    family.add_metric([rank], buckets, snap.sum)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class GatewayCollector(Collector):
+    """Renders `statistics()`, `health()` and the `HTTPCounters` at every scrape.
+    `stats` and `health` return None while there is no group (before startup)."""
+
+    def __init__(
+        self,
+        stats: Callable[[], GroupStatistics | None],
+        health: Callable[[], GroupHealth | None],
+        http: HTTPCounters,
+    ) -> None:
+        self._stats = stats
+        self._health = health
+        self._http = http
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._gateway()
+        health = self._health()
+        if health is not None:
+            yield from self._group_health(health)
+        stats = self._stats()
+        if stats is not None:
+            yield from self._ranks(stats)
+            yield from self._counters(stats)
+
+    def _gateway(self) -> Iterator[Metric]:
+        http = self._http
+        responses = CounterMetricFamily(
+            "zmqdp_gateway_http_responses",
+            "HTTP responses started by the gateway, by route and status.",
+            labels=["route", "status"],
+        )
+        for (route, status), n in sorted(http.responses.items()):
+            responses.add_metric([route, str(status)], n)
+        yield responses
+        disconnects = CounterMetricFamily(
+            "zmqdp_gateway_client_disconnects",
+            "Requests whose HTTP client went away before the response ended "
+            "(a live request is aborted on its rank).",
+            labels=["route"],
+        )
+        for route, n in sorted(http.disconnects.items()):
+            disconnects.add_metric([route], n)
+        yield disconnects
+        yield CounterMetricFamily(
+            "zmqdp_gateway_prompt_tokens", "Prompt tokens of served requests.", http.prompt_tokens
+        )
+        yield CounterMetricFamily(
+            "zmqdp_gateway_completion_tokens",
+            "Completion tokens sent to clients.",
+            http.completion_tokens,
+        )
+        yield _gauge(
+            "zmqdp_gateway_requests_active", "Completion requests being handled.", http.active
+        )
+
+    def _group_health(self, health: GroupHealth) -> Iterator[Metric]:
+        yield _gauge("zmqdp_group_live", "1 while the group serves (not closed).", health.live)
+        yield _gauge("zmqdp_group_ready", "1 when the group takes requests.", health.ready)
+        yield _gauge("zmqdp_group_draining", "1 while the group drains.", health.draining)
+        yield _gauge("zmqdp_group_ranks_up", "Ranks up.", health.ranks_up)
+        yield _gauge("zmqdp_group_size", "Ranks in the group.", health.size)
+        yield _gauge("zmqdp_group_inflight", "Live requests.", health.inflight)
+        yield _gauge(
+            "zmqdp_group_room",
+            "Requests the up ranks can still take before admission refuses (+Inf: no cap).",
+            math.inf if health.room is None else health.room,
+        )
+
+    def _ranks(self, stats: GroupStatistics) -> Iterator[Metric]:
+        def family(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["rank"])
+
+        up = family("zmqdp_rank_up", "1 if the rank is up (selectable), 0 if down.")
+        inflight = family("zmqdp_rank_inflight", "Requests this client has live on the rank.")
+        cap = family("zmqdp_rank_cap", "The rank's in-flight cap (+Inf: no cap).")
+        waiting = family("zmqdp_rank_waiting", "Requests waiting on the rank (its last report).")
+        running = family("zmqdp_rank_running", "Requests running on the rank (its last report).")
+        kv = family(
+            "zmqdp_rank_kv_usage", "KV-cache usage fraction (its last report; NaN: unknown)."
+        )
+        queued = family("zmqdp_rank_queued_messages", "Messages waiting to be sent to the rank.")
+        batches = CounterMetricFamily(
+            "zmqdp_rank_batches",
+            "Valid batches received from the rank's current incarnation.",
+            labels=["rank"],
+        )
+        errors = CounterMetricFamily(
+            "zmqdp_rank_protocol_errors",
+            "The rank's invalid messages and malformed entries (current incarnation).",
+            labels=["rank"],
+        )
+        ttft = _histogram("zmqdp_rank_ttft", "Seconds from submit to the first output, by rank.")
+        latency = _histogram(
+            "zmqdp_rank_latency",
+            "Seconds from submit to the terminal output of finished requests, by rank.",
+        )
+        for r in stats.ranks:
+            label = [str(r.rank)]
+            up.add_metric(label, 1.0 if r.state is RankState.UP else 0.0)
+            inflight.add_metric(label, r.inflight)
+            cap.add_metric(label, math.inf if r.cap is None else r.cap)
+            waiting.add_metric(label, r.load.waiting)
+            running.add_metric(label, r.load.running)
+            kv.add_metric(label, r.load.kv)
+            queued.add_metric(label, r.queued)
+            batches.add_metric(label, r.batches)
+            errors.add_metric(label, r.protocol_errors)
+            _add_histogram(ttft, label[0], r.ttft)
+            _add_histogram(latency, label[0], r.latency)
+        yield from (up, inflight, cap, waiting, running, kv, queued, batches, errors)
+        yield from (ttft, latency)
+
+    def _counters(self, stats: GroupStatistics) -> Iterator[Metric]:
+        yield _gauge("zmqdp_group_lockstep", "1 for a lockstep group.", stats.lockstep)
+        if stats.wave is not None:
+            yield _gauge("zmqdp_group_wave", "The wave clock (lockstep groups).", stats.wave)
+        yield _gauge("zmqdp_group_waiting", "Requests waiting for admission room.", stats.waiting)
+        for field in dataclasses.fields(stats):
+            name = field.name
+            value = getattr(stats, name)
+            if name in _NOT_COUNTERS or type(value) is not int:
+                continue
+            if name in REQUEST_COUNTERS:
+                yield CounterMetricFamily(f"zmqdp_requests_{name}", REQUEST_COUNTERS[name], value)
+            else:
+                doc = GROUP_COUNTERS.get(name, f"GroupStatistics.{name}.")
+                yield CounterMetricFamily(f"zmqdp_{name}", doc, value)

@@ -1,0 +1,182 @@
+"""The OpenAI wire format of `/v1/completions`: the request's validation, the response
+object, the streaming chunks and the error bodies.
+
+Only what the completions endpoint needs. Unknown request fields are ignored (a dialect
+may read them from `CompletionRequest.raw`); the known ones are checked, and a wrong one
+is a 400 naming the field (`param`), as OpenAI does. JSON is written compact and ASCII
+so that a chunk is a few hundred bytes whatever the text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .dialect import CompletionRequest
+from .errors import HTTPError
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DONE",
+    "chunk",
+    "completion",
+    "error_body",
+    "parse_completion",
+    "sse",
+]
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default `max_tokens` for completions."""
+
+DONE = b"data: [DONE]\n\n"
+"""The last event of a stream that ended well."""
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _bad(message: str, param: str | None = None) -> HTTPError:
+    return HTTPError(400, "invalid_request_error", "invalid_request", message, param=param)
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _token_ids(value: list[Any]) -> tuple[int, ...] | None:
+    if all(_is_int(v) and v >= 0 for v in value):
+        return tuple(value)
+    return None
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    """A validated request, or `HTTPError` 400 (invalid JSON, a wrong known field)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _bad(f"the body must be a JSON object, not {type(data).__name__}")
+    prompt: str | tuple[int, ...]
+    raw_prompt = data.get("prompt")
+    if isinstance(raw_prompt, list) and len(raw_prompt) == 1 and not _is_int(raw_prompt[0]):
+        raw_prompt = raw_prompt[0]  # a batch of one prompt
+    if isinstance(raw_prompt, str):
+        prompt = raw_prompt
+    elif isinstance(raw_prompt, list) and raw_prompt and (ids := _token_ids(raw_prompt)):
+        prompt = ids
+    elif isinstance(raw_prompt, list) and len(raw_prompt) > 1 and not _is_int(raw_prompt[0]):
+        raise _bad(
+            f"a batch of {len(raw_prompt)} prompts: this gateway takes one prompt per request",
+            "prompt",
+        )
+    elif raw_prompt is None:
+        raise _bad("'prompt' is required", "prompt")
+    else:
+        raise _bad(
+            "'prompt' must be a string, a non-empty list of token ids (ints >= 0), "
+            "or a list of one of those",
+            "prompt",
+        )
+    max_tokens = data.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise _bad(f"'max_tokens' must be an int >= 1, got {max_tokens!r:.50}", "max_tokens")
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if type(stream) is not bool:
+        raise _bad(f"'stream' must be a boolean, got {stream!r:.50}", "stream")
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("'user' must be a string", "user")
+    n = data.get("n", 1)
+    if n is not None and n != 1:
+        raise _bad(f"'n' must be 1 (one choice per request), got {n!r:.50}", "n")
+    options = data.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        include_usage = options.get("include_usage") is True
+    return CompletionRequest(prompt, max_tokens, stream, model, user, include_usage, data)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion(
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
+    """The `text_completion` object of a non-streaming request."""
+    return _dumps(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+            ],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+    )
+
+
+def sse(payload: bytes) -> bytes:
+    """One server-sent event carrying `payload` (JSON: no newlines in it)."""
+    return b"data: " + payload + b"\n\n"
+
+
+def chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    text: str | None,
+    finish_reason: str | None,
+    usage: tuple[int, int] | None = None,
+) -> bytes:
+    """One streaming chunk: a choice with `text` (None: no choice, the usage chunk of
+    `stream_options.include_usage`), and `usage` (prompt, completion tokens) if given."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": []
+        if text is None
+        else [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if usage is not None:
+        body["usage"] = _usage(*usage)
+    return sse(_dumps(body))
+
+
+def error_body(error: HTTPError) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}`, OpenAI's error object."""
+    return _dumps(
+        {
+            "error": {
+                "message": error.message,
+                "type": error.type,
+                "param": error.param,
+                "code": error.code,
+            }
+        }
+    )

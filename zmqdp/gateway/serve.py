@@ -1,0 +1,299 @@
+"""`python -m zmqdp serve`: the gateway on hypercorn (trio, the default) or uvicorn
+(asyncio), with SIGTERM draining.
+
+    python -m zmqdp serve --mock                       # an embedded mock group of 2
+    python -m zmqdp serve --url ipc:///run/g1 --engines 4 --max-inflight info
+
+Signals, the same on both servers:
+
+* the first SIGTERM or SIGINT once the server is up calls `app.begin_drain()`: `/ready`
+  answers 503, the group drains (live requests finish, new ones get 503, for at most
+  `--drain-timeout` s), and once it is drained the server is told to stop (hypercorn:
+  its `shutdown_trigger` returns; uvicorn: `should_exit`), closes its connections and
+  runs the lifespan shutdown; the exit status is 0;
+* a second signal, or a first one while the group is still connecting, stops at once:
+  live requests are aborted on their ranks as the group closes.
+
+An embedder running its own server gets the same by calling ``app.begin_drain()`` and
+``await app.wait_drained()`` before it stops its server (app.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from functools import partial
+from types import FrameType
+from typing import Any
+
+import trio
+
+from .app import GatewayApp, create_app
+
+__all__ = ["add_arguments", "banner", "run", "serve_hypercorn", "serve_uvicorn"]
+
+log = logging.getLogger("zmqdp.gateway")
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` subcommand's options."""
+    group = parser.add_argument_group("engine group")
+    group.add_argument("--mock", action="store_true", help="run an embedded mock group")
+    group.add_argument("--url", help="the group URL to bind (default with --mock: private ipc)")
+    group.add_argument("--engines", type=int, help="ranks (default with --mock: 2)")
+    group.add_argument(
+        "--max-inflight",
+        default=None,
+        metavar="N|info",
+        help="in-flight cap per rank (an int, or 'info': each rank's max_num_seqs); "
+        "past it requests get 429",
+    )
+    group.add_argument(
+        "--request-timeout", type=float, default=None, help="deadline of every request, s (504)"
+    )
+    group.add_argument("--ready-timeout", type=float, default=60.0, help="wait for ranks, s")
+    group.add_argument("--max-buffered", type=int, default=None, help="outputs per stream")
+    group.add_argument("--step-time", type=float, default=0.01, help="mock: seconds per step")
+    group.add_argument("--max-num-seqs", type=int, default=16, help="mock: running per rank")
+    group.add_argument("--lockstep", action="store_true", help="mock: a lockstep group")
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000, help="0: any free port")
+    http.add_argument("--server", choices=("hypercorn", "uvicorn"), default="hypercorn")
+    http.add_argument("--model", default="zmqdp", help="the model name in responses")
+    http.add_argument(
+        "--queue-timeout", type=float, default=0.0, help="wait for room before a 429, s"
+    )
+    http.add_argument("--retry-after", type=int, default=1, help="Retry-After of 429/503, s")
+    http.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="SIGTERM: wait for live requests, s"
+    )
+    http.add_argument(
+        "--drain-grace", type=float, default=0.0, help="SIGTERM: /ready 503 this long first, s"
+    )
+    http.add_argument("--access-log", action="store_true", help="log every request")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def _max_inflight(text: str | None) -> int | str | None:
+    if text is None or text == "info":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(
+            f"zmqdp serve: --max-inflight must be an int or 'info', not {text!r}"
+        ) from None
+
+
+def app_from_args(args: argparse.Namespace) -> GatewayApp:
+    from ..mock import MockConfig
+
+    options: dict[str, Any] = {
+        "ready_timeout": args.ready_timeout,
+        "max_inflight": _max_inflight(args.max_inflight),
+        "request_timeout": args.request_timeout,
+        "max_buffered": args.max_buffered,
+    }
+    common: dict[str, Any] = {
+        "model": args.model,
+        "queue_timeout": args.queue_timeout,
+        "retry_after": args.retry_after,
+        "drain_timeout": args.drain_timeout,
+        "drain_grace": args.drain_grace,
+    }
+    if args.mock:
+        mock = MockConfig(
+            engines=args.engines or 2,
+            lockstep=args.lockstep,
+            step_time=args.step_time,
+            max_num_seqs=args.max_num_seqs,
+        )
+        return create_app(args.url, mock=mock, **common, **options)
+    if args.url is None or args.engines is None:
+        raise SystemExit("zmqdp serve: give --url URL --engines N, or --mock")
+    return create_app(args.url, args.engines, **common, **options)
+
+
+def banner(url: str, server: str, app: GatewayApp) -> str:
+    """What `serve` prints once it listens: the URL and a request to try."""
+    group = app.group
+    size = "" if group is None else f" over {group.size} rank(s)"
+    return (
+        f"zmqdp gateway: serving{size} at {url} ({server})\n"
+        f'  try: curl {url}/v1/completions -d \'{{"prompt":"hi","max_tokens":5}}\'\n'
+        f"  probes: {url}/health {url}/ready   metrics: {url}/metrics\n"
+        "  SIGTERM or Ctrl-C drains (/ready 503, live requests finish), then exits"
+    )
+
+
+def _announce(text: str) -> None:
+    print(text, flush=True)
+
+
+# -- hypercorn (trio) -------------------------------------------------------------------
+
+
+async def serve_hypercorn(
+    app: GatewayApp,
+    host: str,
+    port: int,
+    *,
+    announce: Callable[[str], None] = _announce,
+    access_log: bool = False,
+    startup_timeout: float = 70.0,
+) -> None:
+    """Serve `app` with hypercorn's trio worker until a signal drains it (module
+    docstring). `announce` gets the banner once the server listens."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = "-" if access_log else None
+    config.startup_timeout = startup_timeout
+    config.graceful_timeout = 5.0
+    stop = trio.Event()
+    started = False
+
+    with trio.open_signal_receiver(*SIGNALS) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_when_drained() -> None:
+                await app.wait_drained()
+                stop.set()
+
+            async def on_signals() -> None:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if started and not app.draining:
+                        log.warning("%s: draining, then stopping (again to stop now)", name)
+                        app.begin_drain()
+                        nursery.start_soon(stop_when_drained)
+                    else:
+                        log.warning("%s: stopping now", name)
+                        nursery.cancel_scope.cancel()
+                        return
+
+            async def server(task_status: trio.TaskStatus[list[str]]) -> None:
+                await serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_signals)
+            binds: list[str] = await nursery.start(server)
+            started = True
+            announce(banner(binds[0], "hypercorn, trio", app))
+
+
+# -- uvicorn (asyncio) ------------------------------------------------------------------
+
+
+def serve_uvicorn(
+    app: GatewayApp,
+    host: str,
+    port: int,
+    *,
+    announce: Callable[[str], None] = _announce,
+    access_log: bool = False,
+    log_level: str = "info",
+) -> int:
+    """Serve `app` with uvicorn until a signal drains it (module docstring); returns the
+    exit status."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's `Server`, with the first signal draining the app before
+        `should_exit` (uvicorn's own handler stops accepting at once)."""
+
+        loop: asyncio.AbstractEventLoop | None = None
+        drain_task: asyncio.Task[None] | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+            if self.started and self.servers and self.servers[0].sockets:
+                bound = self.servers[0].sockets[0].getsockname()
+                announce(banner(f"http://{bound[0]}:{bound[1]}", "uvicorn, asyncio", app))
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # A signal handler (main thread, between bytecodes): hand over to the loop.
+            loop = self.loop
+            if self.started and loop is not None and self.drain_task is None:
+                loop.call_soon_threadsafe(self._begin_drain, sig)
+            else:
+                self.should_exit = self.force_exit = True
+
+        def _begin_drain(self, sig: int) -> None:
+            if self.drain_task is not None:
+                self.should_exit = self.force_exit = True
+                return
+            log.warning("%s: draining, then stopping (again to stop now)", signal.Signals(sig).name)
+            app.begin_drain()
+            self.drain_task = asyncio.ensure_future(self._exit_when_drained())
+
+        async def _exit_when_drained(self) -> None:
+            await app.wait_drained()
+            self.should_exit = True
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        access_log=access_log,
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(config)
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 3 if the lifespan startup failed
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0 if server.started else 1
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    """`python -m zmqdp serve ...`."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
+    app = app_from_args(args)
+    if args.server == "uvicorn":
+        try:
+            import zmqdp.aio  # noqa: F401
+        except ImportError as exc:
+            print(f"zmqdp serve: --server uvicorn needs zmqdp.aio: {exc}", file=sys.stderr)
+            return 2
+        return serve_uvicorn(
+            app, args.host, args.port, access_log=args.access_log, log_level=args.log_level
+        )
+    from hypercorn.utils import LifespanFailureError
+
+    try:
+        trio.run(
+            partial(
+                serve_hypercorn,
+                app,
+                args.host,
+                args.port,
+                access_log=args.access_log,
+                startup_timeout=args.ready_timeout + 10,
+            )
+        )
+    except LifespanFailureError as exc:
+        print(f"zmqdp serve: {exc}", file=sys.stderr)
+        return 1
+    except BaseExceptionGroup as group:
+        failed, rest = group.split(LifespanFailureError)
+        if failed is None or rest is not None:
+            raise
+        print(f"zmqdp serve: {failed.exceptions[0]}", file=sys.stderr)
+        return 1
+    return 0
