@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -30,67 +29,28 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from hypercorn.utils import LifespanFailureError
-from prometheus_client.parser import text_string_to_metric_families
 
 from zmqdp import EngineGroup, GroupStatistics
-from zmqdp._core.messages import Output
-from zmqdp.engine import Abort, Add
-from zmqdp.gateway import CompletionRequest, GatewayApp, MockDialect, Piece, Prepared, create_app
+from zmqdp.engine import Add
+from zmqdp.gateway import GatewayApp, MockDialect, create_app
 from zmqdp.mock import MockConfig
 
-from .engines import ScriptedEngine
+from .gateway_helpers import (
+    BANNER_END,
+    Metrics,
+    ScriptDialect,
+    TokenEngine,
+    aborted,
+    all_events,
+    check_sigterm_drain,
+    events,
+    hold,
+    serve_command,
+    served_url,
+)
 from .helpers import READY_TIMEOUT, wait_until
 
 FAST_MOCK = MockConfig(engines=2, step_time=0.002)
-
-
-# -- engines and a dialect a test can drive -------------------------------------------
-
-
-class TokenEngine(ScriptedEngine):
-    """A `ScriptedEngine` with three more ADD bodies: ``{"tokens": k, "hold": True}``
-    emits k outputs (one batch each) and holds the request; ``{"burst": k}`` emits k
-    outputs in one batch, the last terminal; ``{"die": True}`` announces the rank dead."""
-
-    async def handle(self, msg: Any) -> None:
-        body = msg.body if isinstance(msg, Add) else None
-        if isinstance(body, dict) and body.get("hold") and body.get("tokens"):
-            for i in range(body["tokens"]):
-                await self.emit((Output(msg.id, i),))
-            self.held[msg.id] = body
-        elif isinstance(body, dict) and "burst" in body:
-            k = body["burst"]
-            await self.emit(
-                tuple(Output(msg.id, i, "length" if i == k - 1 else None) for i in range(k))
-            )
-        elif isinstance(body, dict) and body.get("die"):
-            await self.emit(dead="injected: the engine died")
-        else:
-            await super().handle(msg)
-
-
-class ScriptDialect:
-    """The engine body is the request's own ``"script"`` field (a field the gateway does
-    not know: dialects read `raw`), else ``{"tokens": max_tokens}``; output i is " t{i}"."""
-
-    def prepare(self, request: CompletionRequest) -> Prepared:
-        body = request.raw.get("script", {"tokens": request.max_tokens})
-        return Prepared(body, 3, self.decode)
-
-    @staticmethod
-    def decode(output: Output) -> Piece:
-        return Piece(f" t{output.body}", 1, output.finish)
-
-
-def aborted(engine: ScriptedEngine) -> list[str]:
-    return [i for m in engine.inbox if isinstance(m, Abort) for i in m.ids]
-
-
-def hold(tokens: int = 0, **fields: Any) -> dict[str, Any]:
-    script: dict[str, Any] = {"hold": True}
-    if tokens:
-        script["tokens"] = tokens
-    return {"prompt": "x", "max_tokens": 100, "script": script, **fields}
 
 
 # -- serving ----------------------------------------------------------------------------
@@ -130,21 +90,6 @@ async def scripted(
 def stats(app: GatewayApp) -> GroupStatistics:
     assert app.group is not None
     return app.group.statistics()
-
-
-async def events(response: httpx.Response) -> AsyncIterator[str]:
-    """The `data:` payloads of an SSE response, in order."""
-    buffer = ""
-    async for text in response.aiter_text():
-        buffer += text
-        while "\n\n" in buffer:
-            event, buffer = buffer.split("\n\n", 1)
-            assert event.startswith("data: "), event
-            yield event[len("data: ") :]
-
-
-async def all_events(response: httpx.Response) -> list[str]:
-    return [e async for e in events(response)]
 
 
 # -- the happy paths --------------------------------------------------------------------
@@ -508,15 +453,8 @@ async def test_metrics_parse_with_per_rank_series() -> None:
             assert response.status_code == 200
         await client.post("/v1/completions", content=b"nope")
         text = (await client.get("/metrics")).text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-
-    def samples(name: str, suffix: str = "") -> dict[str, float]:
-        return {
-            s.labels.get("rank", ""): s.value
-            for s in families[name].samples
-            if s.name == name + suffix
-        }
-
+    metrics = Metrics(text)
+    families, samples = metrics.families, metrics.by_rank
     assert samples("zmqdp_rank_up") == {"0": 1.0, "1": 1.0}
     assert samples("zmqdp_rank_cap") == {"0": 4.0, "1": 4.0}
     assert samples("zmqdp_rank_inflight") == {"0": 0.0, "1": 0.0}
@@ -533,11 +471,7 @@ async def test_metrics_parse_with_per_rank_series() -> None:
         assert f"zmqdp_requests_{field}" in families, field
     for field in ("protocol_errors", "late_outputs", "wakes", "resyncs", "impersonations"):
         assert families[f"zmqdp_{field}"].samples[0].value == getattr(st, field)
-    http = {
-        (s.labels["route"], s.labels["status"]): s.value
-        for s in families["zmqdp_gateway_http_responses"].samples
-        if s.name.endswith("_total")
-    }
+    http = metrics.http()
     assert http[("completions", "200")] == 3 and http[("completions", "400")] == 1
     assert families["zmqdp_gateway_completion_tokens"].samples[0].value == 9
     assert families["zmqdp_group_ready"].samples[0].value == 1
@@ -633,33 +567,17 @@ def test_create_app_refuses_contradictory_arguments() -> None:
 async def test_serve_drains_on_sigterm_then_exits_0() -> None:
     """`python -m zmqdp serve --mock`: the banner names the URL; SIGTERM turns /ready to
     503 while a live stream goes on to [DONE]; then the process exits 0."""
-    cmd = [sys.executable, "-m", "zmqdp", "serve", "--mock", "--port", "0"]
-    cmd += ["--step-time", "0.01", "--log-level", "WARNING"]
-    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = await trio.lowlevel.open_process(
+        serve_command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         assert proc.stdout is not None
         out = b""
-        while b"try: curl" not in out:
+        while BANNER_END not in out:
             data = await proc.stdout.receive_some()
             assert data, out
             out += data
-        url = out.split(b" at ", 1)[1].split(b" ", 1)[0].decode()
-        assert url.startswith("http://127.0.0.1:")
-        async with httpx.AsyncClient(base_url=url, timeout=15) as client:
-            plain = await client.post("/v1/completions", content=b'{"prompt":"hi","max_tokens":5}')
-            assert plain.json()["choices"][0]["text"] == " t1001 t1002 t1003 t1004 t1005"
-            body = {"prompt": "hi", "max_tokens": 300, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                stream = events(response)
-                await anext(stream)
-                proc.send_signal(signal.SIGTERM)
-                # the server takes requests while it drains: poll readiness over HTTP
-                while (ready := await client.get("/ready")).status_code == 200:
-                    pass
-                assert ready.status_code == 503 and ready.json()["gateway_draining"] is True
-                rest = [d async for d in stream]
-            assert rest[-1] == "[DONE]"
-            assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        await check_sigterm_drain(served_url(out), lambda: proc.send_signal(signal.SIGTERM))
         assert await proc.wait() == 0
     finally:
         with trio.CancelScope(shield=True):
