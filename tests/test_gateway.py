@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -32,7 +33,7 @@ from hypercorn.utils import LifespanFailureError
 
 from zmqdp import EngineGroup, GroupStatistics
 from zmqdp.engine import Add
-from zmqdp.gateway import GatewayApp, MockDialect, create_app
+from zmqdp.gateway import CompletionRequest, GatewayApp, MockDialect, Prepared, create_app
 from zmqdp.mock import MockConfig
 
 from .gateway_helpers import (
@@ -211,8 +212,23 @@ BAD_BODIES = [
     pytest.param(b'{"prompt": []}', "prompt", "must be a string", id="prompt-empty-list"),
     pytest.param(b'{"prompt": [1, -2]}', "prompt", "must be a string", id="negative-token"),
     pytest.param(b'{"prompt": ["a", "b"]}', "prompt", "one prompt per request", id="batch"),
-    pytest.param(b'{"prompt": "a", "max_tokens": 0}', "max_tokens", ">= 1", id="max-tokens-0"),
-    pytest.param(b'{"prompt": "a", "max_tokens": "9"}', "max_tokens", ">= 1", id="max-tokens-str"),
+    pytest.param(b'{"prompt": "a", "max_tokens": 0}', "max_tokens", "from 1", id="max-tokens-0"),
+    pytest.param(
+        b'{"prompt": "a", "max_tokens": "9"}', "max_tokens", "from 1", id="max-tokens-str"
+    ),
+    pytest.param(
+        b'{"prompt": "a", "max_tokens": 18446744073709551616}',
+        "max_tokens",
+        "from 1 to 2147483647",
+        id="max-tokens-2**64",
+    ),
+    pytest.param(b'{"prompt": [1, 4294967296]}', "prompt", "must be a string", id="token-2**32"),
+    pytest.param(b'{"prompt": [null]}', "prompt", "must be a string", id="prompt-null-batch"),
+    pytest.param(b'{"prompt": "\\ud800"}', None, "no UTF-8 form", id="lone-surrogate"),
+    pytest.param(b'{"prompt": "a", "n": true}', "n", "must be 1", id="n-true"),
+    pytest.param(b'{"prompt": "a", "n": 1.0}', "n", "must be 1", id="n-float"),
+    pytest.param(b'{"prompt": "a", "max_tokens": NaN}', None, "NaN is not JSON", id="nan"),
+    pytest.param(b"[" * 100_000 + b"]" * 100_000, None, "nested too deeply", id="deep-nesting"),
     pytest.param(b'{"prompt": "a", "stream": "yes"}', "stream", "boolean", id="stream-str"),
     pytest.param(b'{"prompt": "a", "n": 2}', "n", "must be 1", id="n-2"),
     pytest.param(b'{"prompt": "a", "user": 5}', "user", "string", id="user-int"),
@@ -270,10 +286,28 @@ async def test_unknown_routes_and_methods() -> None:
         wrong = await client.get("/v1/completions")
         too_big = await client.post("/v1/completions", content=b"x" * 100)
         models = await client.get("/v1/models")
+        head = await client.head("/health")  # load balancers probe with HEAD too
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
-    assert too_big.status_code == 400  # (not JSON; the size limit is 16 MiB)
+    assert too_big.status_code == 400  # (not JSON; the size limit is 4 MiB)
     assert models.json()["data"][0]["id"] == "zmqdp"
+    assert head.status_code == 200 and head.content == b""
+
+
+async def test_a_failing_dialect_is_a_json_500_naming_the_request() -> None:
+    class Broken(MockDialect):
+        def prepare(self, request: CompletionRequest) -> Prepared:
+            raise TypeError("a bug in the dialect")
+
+    app = create_app(mock=FAST_MOCK, dialect=Broken())
+    async with serving(app) as client:
+        response = await client.post("/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["code"] == "dialect_failed"
+    assert response.headers["x-request-id"] in error["message"]
+    assert "TypeError: a bug in the dialect" in error["message"]
+    assert stats(app).submitted == 0
 
 
 async def test_a_body_past_the_limit_is_a_413() -> None:
@@ -584,3 +618,48 @@ async def test_serve_drains_on_sigterm_then_exits_0() -> None:
             if proc.returncode is None:
                 proc.kill()
             await proc.wait()
+
+
+async def _run_serve(*options: str, signal_after: bytes | None = None) -> tuple[int, str]:
+    """Run `python -m zmqdp serve` with `options` (no engines: the group never forms); if
+    `signal_after` is given, send SIGTERM once that text is in its output. Its exit
+    status and output."""
+    cmd = [sys.executable, "-m", "zmqdp", "serve", "--port", "0", *options]
+    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = b""
+    try:
+        assert proc.stdout is not None
+        while data := await proc.stdout.receive_some():
+            out += data
+            if signal_after is not None and signal_after in out:
+                proc.send_signal(signal.SIGTERM)
+                signal_after = None
+        return await proc.wait(), out.decode()
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.timeout_s(20)
+@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+async def test_sigterm_while_connecting_stops_at_once(tmp_path: Path, server: str) -> None:
+    """No engine ever comes: SIGTERM stops the startup (not `--ready-timeout` later, 60 s)
+    and the process exits 0 without announcing anything."""
+    url = f"ipc://{tmp_path}/g"
+    options = ["--url", url, "--engines", "1", "--server", server, "--log-level", "INFO"]
+    rc, out = await _run_serve(*options, signal_after=b"waiting for 1 rank(s)")
+    assert rc == 0, out
+    assert "SIGTERM: stopping now" in out and "try: curl" not in out
+
+
+@pytest.mark.timeout_s(20)
+@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+async def test_a_startup_failure_is_one_line_naming_the_cause(tmp_path: Path, server: str) -> None:
+    url = f"ipc://{tmp_path}/g"
+    options = ["--url", url, "--engines", "1", "--ready-timeout", "0.3", "--server", server]
+    rc, out = await _run_serve(*options)
+    assert rc != 0, out
+    assert "try: curl" not in out and "ExceptionGroup" not in out and "sub-exception" not in out
+    assert "HandshakeTimeout" in out and "rank 0" in out.split("HandshakeTimeout", 1)[1], out

@@ -62,8 +62,14 @@ __all__ = ["GatewayApp", "create_app"]
 
 log = logging.getLogger("zmqdp.gateway")
 
-DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
-"""Bytes: a prompt of 128k token ids in JSON is about 1 MiB."""
+DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
+"""Bytes: a prompt of 128k token ids in JSON is about 1 MiB. The body is parsed on the
+event loop (about 0.3 s for 3 MiB), so a larger limit lets one client stall the others."""
+
+DEFAULT_MAX_BUFFERED = 4096
+"""Outputs a request's stream holds for a client that does not read (`max_buffered` of
+`EngineGroup.connect`): past it the request is aborted on its rank (an SSE error event).
+A gateway must not let a stalled client grow its memory without bound."""
 
 
 def create_app(
@@ -85,7 +91,8 @@ def create_app(
 
     The app connects to `url` and `engines` ranks at lifespan startup with
     `connect_options` (`ready_timeout`, `silence_timeout`, `max_inflight`,
-    `request_timeout`, `max_buffered`, `curve`...: those of `EngineGroup.connect`), and
+    `request_timeout`, `max_buffered` (default here `DEFAULT_MAX_BUFFERED`), `curve`...:
+    those of `EngineGroup.connect`), and
     drains and closes the group at shutdown. `mock` also runs a mock group (engines
     from the config unless `engines` says otherwise) on `url`, or on a private ipc path
     if `url` is None. `group`: serve an already connected group instead (the caller
@@ -106,6 +113,8 @@ def create_app(
             mock = dataclasses.replace(mock, engines=engines)
     elif url is None or engines is None:
         raise ValueError("create_app needs url and engines, a mock config, or a group")
+    if group is None:
+        connect_options.setdefault("max_buffered", DEFAULT_MAX_BUFFERED)
     if queue_timeout < 0 or retry_after < 0 or drain_grace < 0:
         raise ValueError("queue_timeout, retry_after and drain_grace must be >= 0")
     if drain_timeout is not None and drain_timeout < 0:
@@ -148,6 +157,7 @@ class GatewayApp:
         self._drain_asked = False
         self._drain_requested: EventLike | None = None
         self._drained: EventLike | None = None
+        self._stop_startup: Callable[[], None] | None = None
         self.counters = HTTPCounters()
         self.collector = GatewayCollector(self._statistics, self._health, self.counters)
         """The Prometheus collector behind `/metrics` (metrics.py), to add to another
@@ -180,11 +190,15 @@ class GatewayApp:
 
     def begin_drain(self) -> None:
         """Start the drain (module docstring): `/ready` turns 503 now; the lifespan task
-        drains the group. Idempotent; call it from the event loop's thread."""
+        drains the group. Called while the lifespan startup is still connecting, it
+        stops the startup instead (``lifespan.startup.failed``: the server does not
+        start). Idempotent; call it from the event loop's thread."""
         if self._drain_asked:
             return
         self._drain_asked = True
         log.info("drain asked: /ready answers 503")
+        if self._stop_startup is not None:  # still connecting: give up
+            self._stop_startup()
         if self._drain_requested is not None:
             self._drain_requested.set()
 
@@ -217,7 +231,7 @@ class GatewayApp:
             )
             return
         name, method, handler = route
-        if scope["method"] != method:
+        if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
             exchange = Exchange(send, name, self.counters)
             exchange.headers.append((b"allow", method.encode()))
             await exchange.fail(
@@ -298,13 +312,16 @@ class GatewayApp:
         if self._drain_asked:
             requested.set()
         failure: str | None = None
+        stopper = backend.stopper()
+        self._stop_startup = stopper.stop
         try:
-            async with contextlib.AsyncExitStack() as stack:
+            async with stopper, contextlib.AsyncExitStack() as stack:
                 try:
                     await self._start(stack, backend)
                 except Exception as exc:
                     failure = f"{type(exc).__name__}: {exc}"
                 else:
+                    self._stop_startup = None
                     await send({"type": "lifespan.startup.complete"})
                     winner, _ = await backend.race(lambda: _next_message(receive), requested.wait)
                     if winner == 1:  # begin_drain()
@@ -321,6 +338,9 @@ class GatewayApp:
                     else:  # a shutdown without a drain: the server has closed its connections
                         self._drain_asked = True
                         await self._drain(asked=False)
+            if stopper.stopped:
+                failure = "stopped (begin_drain) before the engine group was ready"
+                log.info("gateway startup %s", failure)
         except Exception as exc:
             if failure is None:
                 log.exception("gateway shutdown failed")
@@ -328,7 +348,9 @@ class GatewayApp:
                 return
             log.exception("gateway startup cleanup failed")
         if failure is not None:
-            log.error("gateway startup failed: %s", failure)
+            self._drained.set()  # nothing to drain: a `wait_drained()` returns
+            if not stopper.stopped:
+                log.error("gateway startup failed: %s", failure)
             await send({"type": "lifespan.startup.failed", "message": failure})
             return
         await send({"type": "lifespan.shutdown.complete"})
@@ -346,6 +368,7 @@ class GatewayApp:
             await stack.enter_async_context(backend.run_mock(url, self._mock))
             log.info("mock group of %d rank(s) at %s", engines, url)
         assert url is not None
+        log.info("waiting for %d rank(s) at %s", engines, url)
         self._group = await stack.enter_async_context(
             backend.connect(url, engines, self._connect_options)
         )

@@ -14,6 +14,8 @@ from the loop it runs on are here, chosen at lifespan startup by
   it to run the response next to the `http.disconnect` watcher; the lifespan to wait for
   "shutdown" or "drain";
 * `within(seconds, fn)`: `fn()` under a timeout (waiting for admission room);
+* `stopper()`: a block that a plain function can stop from the loop's thread (the
+  lifespan's startup, when a drain is asked for before the group is up);
 * `sleep`, `connect` (the group flavour) and `run_mock` (the embedded mock group).
 
 anyio would give the same (and more), but it would be a new dependency for about sixty
@@ -108,12 +110,32 @@ class EventLike(Protocol):
     async def wait(self) -> Any: ...
 
 
+class Stopper(Protocol):
+    """`async with` a block that `stop()` cancels; leaving it after a stop is quiet and
+    sets `stopped`. The block must be entered and left by one task."""
+
+    stopped: bool
+
+    def stop(self) -> None: ...
+
+    async def __aenter__(self) -> Stopper: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+
+
 class Backend(Protocol):
     """The async library the gateway runs on (module docstring)."""
 
     name: str
 
     def event(self) -> EventLike: ...
+
+    def stopper(self) -> Stopper: ...
 
     async def race(self, *fns: Callable[[], Awaitable[T]]) -> tuple[int, T]:
         """(index, value) of the first of `fns` to finish; the others are cancelled and
@@ -155,6 +177,58 @@ class _Finish:
         return self.index, self.value
 
 
+class _TrioStopper:
+    def __init__(self) -> None:
+        self.stopped = False
+        self._scope = trio.CancelScope()
+
+    def stop(self) -> None:
+        self._scope.cancel("stopped")
+
+    async def __aenter__(self) -> _TrioStopper:
+        self._scope.__enter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        swallowed = self._scope.__exit__(exc_type, exc, tb)
+        self.stopped = self._scope.cancelled_caught
+        return bool(swallowed)
+
+
+class _AsyncioStopper:
+    def __init__(self) -> None:
+        self.stopped = False
+        self._timeout = asyncio.timeout(None)
+
+    def stop(self) -> None:
+        if self._timeout.when() is None:
+            self._timeout.reschedule(asyncio.get_running_loop().time())
+
+    async def __aenter__(self) -> _AsyncioStopper:
+        await self._timeout.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            await self._timeout.__aexit__(exc_type, exc, tb)
+        except TimeoutError:
+            if not self._timeout.expired():
+                raise
+            self.stopped = True
+            return True
+        return False
+
+
 class TrioBackend:
     """trio (hypercorn's trio worker): `EngineGroup`, nurseries, cancel scopes."""
 
@@ -162,6 +236,9 @@ class TrioBackend:
 
     def event(self) -> EventLike:
         return trio.Event()
+
+    def stopper(self) -> Stopper:
+        return _TrioStopper()
 
     async def race(self, *fns: Callable[[], Awaitable[T]]) -> tuple[int, T]:
         finish = _Finish()
@@ -215,6 +292,9 @@ class AsyncioBackend:
 
     def event(self) -> EventLike:
         return asyncio.Event()
+
+    def stopper(self) -> Stopper:
+        return _AsyncioStopper()
 
     async def race(self, *fns: Callable[[], Awaitable[T]]) -> tuple[int, T]:
         finish = _Finish()

@@ -123,6 +123,14 @@ async def handle_completion(
                 prepared = settings.dialect.prepare(request)
             except ValueError as exc:
                 raise HTTPError(400, "invalid_request_error", "invalid_request", str(exc)) from None
+            except Exception as exc:  # a dialect bug: a JSON 500, logged, never a bare one
+                log.error("request %r: the dialect failed: %r", request_id, exc, exc_info=exc)
+                raise HTTPError(
+                    500,
+                    "internal_error",
+                    "dialect_failed",
+                    f"request {request_id!r}: the dialect failed: {type(exc).__name__}: {exc}",
+                ) from None
             if group is None:
                 raise HTTPError(
                     503,

@@ -100,7 +100,10 @@ class MockDialect:
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         prompt = request.prompt
-        ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
+        try:
+            ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in the JSON)
+            raise ValueError(f"'prompt' has no UTF-8 form: {exc.reason} at {exc.start}") from None
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; this engine takes at most "

@@ -28,6 +28,10 @@ __all__ = [
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default `max_tokens` for completions."""
 
+MAX_INT = (1 << 31) - 1
+"""The largest `max_tokens` and token id taken: past it a number is a client bug, and
+the engine's int fields would reject it with a less helpful message."""
+
 DONE = b"data: [DONE]\n\n"
 """The last event of a stream that ended well."""
 
@@ -45,17 +49,23 @@ def _is_int(value: Any) -> bool:
 
 
 def _token_ids(value: list[Any]) -> tuple[int, ...] | None:
-    if all(_is_int(v) and v >= 0 for v in value):
+    if all(_is_int(v) and 0 <= v <= MAX_INT for v in value):
         return tuple(value)
     return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
     """A validated request, or `HTTPError` 400 (invalid JSON, a wrong known field)."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _bad("the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise _bad(f"the body must be a JSON object, not {type(data).__name__}")
     prompt: str | tuple[int, ...]
@@ -71,19 +81,23 @@ def parse_completion(body: bytes) -> CompletionRequest:
             f"a batch of {len(raw_prompt)} prompts: this gateway takes one prompt per request",
             "prompt",
         )
-    elif raw_prompt is None:
+    elif raw_prompt is None and "prompt" not in data:
         raise _bad("'prompt' is required", "prompt")
     else:
         raise _bad(
-            "'prompt' must be a string, a non-empty list of token ids (ints >= 0), "
+            "'prompt' must be a string, a non-empty list of token ids (ints from 0 to "
+            f"{MAX_INT}), "
             "or a list of one of those",
             "prompt",
         )
     max_tokens = data.get("max_tokens", DEFAULT_MAX_TOKENS)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise _bad(f"'max_tokens' must be an int >= 1, got {max_tokens!r:.50}", "max_tokens")
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT:
+        raise _bad(
+            f"'max_tokens' must be an int from 1 to {MAX_INT}, got {max_tokens!r:.50}",
+            "max_tokens",
+        )
     stream = data.get("stream", False)
     if stream is None:
         stream = False
@@ -96,7 +110,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string", "user")
     n = data.get("n", 1)
-    if n is not None and n != 1:
+    if n is not None and (not _is_int(n) or n != 1):
         raise _bad(f"'n' must be 1 (one choice per request), got {n!r:.50}", "n")
     options = data.get("stream_options")
     include_usage = False

@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from .app import GatewayApp, create_app
+from .app import DEFAULT_MAX_BUFFERED, GatewayApp, create_app
 
 __all__ = ["add_arguments", "banner", "run", "serve_hypercorn", "serve_uvicorn"]
 
@@ -58,7 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=None, help="deadline of every request, s (504)"
     )
     group.add_argument("--ready-timeout", type=float, default=60.0, help="wait for ranks, s")
-    group.add_argument("--max-buffered", type=int, default=None, help="outputs per stream")
+    group.add_argument(
+        "--max-buffered",
+        type=int,
+        default=DEFAULT_MAX_BUFFERED,
+        help="outputs a stream holds for a client that does not read; past it the request "
+        "is aborted (0: no limit)",
+    )
     group.add_argument("--step-time", type=float, default=0.01, help="mock: seconds per step")
     group.add_argument("--max-num-seqs", type=int, default=16, help="mock: running per rank")
     group.add_argument("--lockstep", action="store_true", help="mock: a lockstep group")
@@ -99,7 +105,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         "ready_timeout": args.ready_timeout,
         "max_inflight": _max_inflight(args.max_inflight),
         "request_timeout": args.request_timeout,
-        "max_buffered": args.max_buffered,
+        "max_buffered": args.max_buffered or None,
     }
     common: dict[str, Any] = {
         "model": args.model,
@@ -157,6 +163,9 @@ async def serve_hypercorn(
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = "-" if access_log else None
+    # hypercorn's loggers as they are (under `logging.basicConfig`), not its own stderr
+    # handler as well: each line once.
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.startup_timeout = startup_timeout
     config.graceful_timeout = 5.0
     stop = trio.Event()
@@ -188,7 +197,8 @@ async def serve_hypercorn(
             nursery.start_soon(on_signals)
             binds: list[str] = await nursery.start(server)
             started = True
-            announce(banner(binds[0], "hypercorn, trio", app))
+            if app.group is not None:  # else the startup failed: hypercorn raises it next
+                announce(banner(binds[0], "hypercorn, trio", app))
 
 
 # -- uvicorn (asyncio) ------------------------------------------------------------------
@@ -213,6 +223,7 @@ def serve_uvicorn(
 
         loop: asyncio.AbstractEventLoop | None = None
         drain_task: asyncio.Task[None] | None = None
+        signalled = False
 
         async def startup(self, sockets: Any = None) -> None:
             self.loop = asyncio.get_running_loop()
@@ -224,10 +235,16 @@ def serve_uvicorn(
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # A signal handler (main thread, between bytecodes): hand over to the loop.
             loop = self.loop
+            self.signalled = True
             if self.started and loop is not None and self.drain_task is None:
                 loop.call_soon_threadsafe(self._begin_drain, sig)
-            else:
-                self.should_exit = self.force_exit = True
+                return
+            self.should_exit = self.force_exit = True
+            if not self.started and loop is not None:
+                # uvicorn looks at should_exit only once the lifespan startup is over,
+                # and that waits for every rank: stop the startup itself.
+                log.warning("%s: stopping now", signal.Signals(sig).name)
+                loop.call_soon_threadsafe(app.begin_drain)
 
         def _begin_drain(self, sig: int) -> None:
             if self.drain_task is not None:
@@ -254,11 +271,20 @@ def serve_uvicorn(
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits 3 if the lifespan startup failed
+        if server.signalled:
+            return 0
         return exc.code if isinstance(exc.code, int) else 1
-    return 0 if server.started else 1
+    return 0 if server.started or server.signalled else 1
 
 
 # -- the command ------------------------------------------------------------------------
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    """The first exception of a (nested) group that is not a group."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
 
 
 def run(args: argparse.Namespace) -> int:
@@ -294,6 +320,6 @@ def run(args: argparse.Namespace) -> int:
         failed, rest = group.split(LifespanFailureError)
         if failed is None or rest is not None:
             raise
-        print(f"zmqdp serve: {failed.exceptions[0]}", file=sys.stderr)
+        print(f"zmqdp serve: {_first_leaf(failed)}", file=sys.stderr)
         return 1
     return 0
