@@ -31,8 +31,10 @@ SCRIPTS = [
     "bench_p5_slow_rank.py",
     "bench_select.py",
     "bench_latency.py",
+    "bench_gateway.py",
 ]
 ORDER = ["P1a", "P1a'", "P1b", "P2", "P3", "P4", "P6", "lat", "P5"]
+ORDER += ["G32t", "G256t", "G32a", "G256a"]  # bench_gateway.py: HTTP ÷ direct (context)
 ISSUE = {  # the figure as the performance issue measured it on the main it was filed on
     "P1a": "0.24",
     "P1b": "1.4 (2.0)",

@@ -57,7 +57,7 @@ from .dialect import CompletionRequest, Dialect, Prepared
 from .errors import HTTPError, http_error
 from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_disconnect
 from .metrics import HTTPCounters
-from .openai import DONE, chunk, completion, parse_completion
+from .openai import DONE, ChunkEncoder, chunk, completion, parse_completion
 
 __all__ = ["RANK_HEADER", "CompletionSettings", "handle_completion"]
 
@@ -262,19 +262,22 @@ class _Response:
         exchange = self.exchange
         counters = self.counters
         prompt_tokens = self.prepared.prompt_tokens
+        encoder = ChunkEncoder(self.request_id, self.created, self.model)
         tokens = 0
         finish: str | None = None
         counters.prompt_tokens += prompt_tokens
         while finish is None:
             parts: list[str] = []
+            batch_tokens = 0
             for out in await stream.receive_batch():
                 piece = decode(out)
                 parts.append(piece.text)
-                tokens += piece.tokens
-                counters.completion_tokens += piece.tokens
+                batch_tokens += piece.tokens
                 if out.finish is not None:
                     finish = piece.finish_reason or "stop"
-            data = chunk(self.request_id, self.created, self.model, "".join(parts), finish)
+            tokens += batch_tokens
+            counters.completion_tokens += batch_tokens
+            data = encoder.text("".join(parts), finish)
             if finish is not None:
                 if self.request.include_usage:
                     data += chunk(
