@@ -85,7 +85,7 @@ from ._core.errors import (
     quote,
 )
 from ._core.handshake import identity_rank
-from ._core.messages import Abort, Call, Load, Wake
+from ._core.messages import Call, Load, Wake
 from ._core.metrics import HistogramSnapshot
 from ._core.requests import Outcome
 from ._core.state import (
@@ -695,7 +695,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
         if ended is not None:
             error = RequestAborted(ended.rank, request_id) if stream is None else None
             ended.handle.finish(Outcome.ABORTED, error)
-            self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
+            self._transport.send(ended.rank, self._core.encode_abort((ended.wire_id,)))
             self._after_endings()
 
     def _after_endings(self) -> None:
@@ -894,7 +894,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             return
         ended = self._core.overflow(stream.request_id, stream)
         if ended is not None:
-            self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
+            self._transport.send(ended.rank, self._core.encode_abort((ended.wire_id,)))
         error = StreamOverflow(
             stream.rank, stream.request_id, self._max_buffered or 0, aborted=ended is not None
         )
@@ -904,7 +904,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
     def _on_timeout(self, now: float) -> None:
         for ended, error in self._core.expire(now):
             ended.handle.finish(ended.outcome, error)
-            self._transport.send(ended.rank, encode_request(Abort((ended.wire_id,))))
+            self._transport.send(ended.rank, self._core.encode_abort((ended.wire_id,)))
             log.info("%s", error)
         dead, wake = self._core.on_timeout(now)
         if wake is not None:

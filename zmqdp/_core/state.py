@@ -417,13 +417,23 @@ class GroupCore(Generic[H]):
         for wid in wire_ids:
             cost = len(wid.encode()) + 9  # the string and its longest CBOR head
             if chunk and size + cost > budget:
-                out.append(encode_request(Abort(tuple(chunk))))
+                out.append(self.encode_abort(tuple(chunk)))
                 chunk, size = [], 0
             chunk.append(wid)
             size += cost
         if chunk:
-            out.append(encode_request(Abort(tuple(chunk))))
+            out.append(self.encode_abort(tuple(chunk)))
         return out
+
+    # -- the wire (a dialect overrides these: zmqdp.vllm) ------------------------------
+
+    def encode_add(self, wire_id: str, body: Any) -> tuple[bytes, bytes]:
+        """The frames of an ADD; raises `ProtocolError` if `body` has no wire form."""
+        return encode_request(Add(wire_id, body))
+
+    def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
+        """The frames of an ABORT of these wire ids."""
+        return encode_request(Abort(wire_ids))
 
     def ending_error(self, ended: Ended[H]) -> ZmqdpError | None:
         """What the stream of a request that ended on the engine's side raises after its
@@ -465,7 +475,7 @@ class GroupCore(Generic[H]):
         timeout = check_timeout(request_id, timeout)
         wire_id = self.book.new_wire_id(request_id)
         try:
-            frames = encode_request(Add(wire_id, body))
+            frames = self.encode_add(wire_id, body)
         except ProtocolError as exc:
             self.counters.rolled_back += 1
             raise InvalidRequest(request_id, exc.cause) from None

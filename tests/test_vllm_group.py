@@ -1,0 +1,281 @@
+"""`VllmEngineGroup` end to end against the fake vLLM engines of tests/vllm_fake.py:
+dense and MoE groups, outputs and finish reasons, aborts, pinned ranks, utility calls,
+load from scheduler_stats, and the fault modes of the native tests."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from zmqdp import RankState
+from zmqdp._core.errors import (
+    CallFailed,
+    CallTimeout,
+    EngineDead,
+    GroupClosed,
+    HandshakeTimeout,
+    InvalidRequest,
+    RequestAborted,
+)
+from zmqdp.vllm import SamplingParams, VllmEngineGroup, VllmOutput, VllmRequest
+
+from .vllm_fake import FakeVllmGroup
+
+
+@asynccontextmanager
+async def vllm_group(
+    n: int,
+    *,
+    moe: bool = False,
+    start: Any = None,
+    fake_kw: dict[str, Any] | None = None,
+    **kw: Any,
+) -> AsyncIterator[tuple[VllmEngineGroup, FakeVllmGroup]]:
+    d = tempfile.mkdtemp(prefix="zv", dir="/tmp")
+    fake = FakeVllmGroup(f"ipc://{d}/hs", n, moe=moe, **(fake_kw or {}))
+    try:
+        async with trio.open_nursery() as nursery:
+            for e in fake.engines:
+                if start is None or e.rank in start:
+                    nursery.start_soon(e.run)
+            kw.setdefault("ready_timeout", 5.0)
+            async with VllmEngineGroup.connect(fake.url, n, moe=moe, **kw) as group:
+                yield group, fake
+            nursery.cancel_scope.cancel()
+    finally:
+        fake.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def req(rid: str, max_tokens: int = 4, **kw: Any) -> VllmRequest:
+    sampling = kw.pop("sampling", SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return VllmRequest(rid, kw.pop("prompt", [10, 20]), sampling, **kw)
+
+
+async def collect(group: VllmEngineGroup, r: VllmRequest) -> tuple[list[int], list[Any]]:
+    tokens: list[int] = []
+    outs = []
+    async with group.submit(r) as stream:
+        async for out in stream:
+            assert isinstance(out.body, VllmOutput)
+            tokens += out.body.token_ids
+            outs.append(out)
+    return tokens, outs
+
+
+async def test_dense_group_streams_tokens_and_spreads_requests() -> None:
+    async with vllm_group(2) as (group, fake):
+        assert [e.info["max_num_seqs"] for e in group.engines] == [256, 256]
+        results: dict[str, tuple[list[int], list[Any]]] = {}
+
+        async def one(i: int) -> None:
+            results[f"r{i}"] = await collect(group, req(f"r{i}", max_tokens=5))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(one, i)
+        for tokens, outs in results.values():
+            assert tokens == [21, 22, 23, 24, 25]
+            assert [o.finish for o in outs][-1] == "length"
+            assert all(o.finish is None for o in outs[:-1])
+        adds = [len(e.got("add")) for e in fake.engines]
+        assert sum(adds) == 6 and min(adds) >= 1
+        stats = group.statistics()
+        assert stats.finished == 6 and stats.protocol_errors == 0 and stats.fallbacks == 0
+
+
+async def test_finish_reasons_eos_and_stop_token() -> None:
+    async with vllm_group(1) as (group, _):
+        tokens, outs = await collect(group, req("eos", max_tokens=50, eos_token_id=23))
+        assert tokens == [21, 22, 23]
+        assert (outs[-1].finish, outs[-1].body.stop_reason) == ("stop", None)
+        sp = SamplingParams(max_tokens=50, stop_token_ids=[22])
+        tokens, outs = await collect(group, req("stop", sampling=sp))
+        assert tokens == [21, 22]
+        assert (outs[-1].finish, outs[-1].body.stop_reason) == ("stop", 22)
+        sp = SamplingParams(max_tokens=3, ignore_eos=True)
+        tokens, outs = await collect(group, req("ign", sampling=sp, eos_token_id=22))
+        assert tokens == [21, 22, 23] and outs[-1].finish == "length"
+
+
+async def test_the_add_carries_what_the_caller_gave() -> None:
+    async with vllm_group(2) as (group, fake):
+        r = req("p", max_tokens=2, rank=1, priority=3, eos_token_id=99)
+        await collect(group, r)
+        [add] = fake.engines[1].got("add")
+        assert add[0].startswith("p#") and add[1] == [10, 20]
+        assert add[8] == 1 and add[13] == 3 and add[16] == "p"  # rank, priority, external id
+        assert add[3]["_eos_token_id"] == 99 and add[3]["max_tokens"] == 2
+        assert fake.engines[0].got("add") == []
+
+
+async def test_bad_sampling_params_are_refused_at_submit() -> None:
+    async with vllm_group(1) as (group, fake):
+        with pytest.raises(InvalidRequest, match="temperature"):
+            group.submit(req("bad", sampling=SamplingParams(temperature=5.0)))
+        with pytest.raises(InvalidRequest, match="prompt_token_ids"):
+            group.submit(req("bad", prompt=[]))
+        assert group.statistics().rolled_back == 2 and fake.engines[0].got("add") == []
+
+
+async def test_abort_reaches_the_engine_and_ends_the_stream() -> None:
+    async with vllm_group(2) as (group, fake):
+        async with group.submit(req("long", max_tokens=10**9, rank=0)) as stream:
+            first = await stream.receive()
+            assert first.finish is None
+            await group.abort("long")
+            with pytest.raises(RequestAborted):
+                async for _ in stream:
+                    pass
+        e = fake.engines[0]
+        await e.wait_for(lambda: e.got("abort"))
+        assert e.got("abort") == [[stream.wire_id]]
+        await e.wait_for(lambda: not e.requests)
+        assert group.statistics().aborted == 1
+
+
+async def test_utility_calls() -> None:
+    async with vllm_group(2) as (group, fake):
+        assert await group.call(1, "is_sleeping") is False
+        assert await group.call(0, "echo", 1, "a", [2]) == [1, "a", [2]]
+
+        def boom() -> None:
+            raise RuntimeError("boom")
+
+        fake.engines[1].utilities["reset_prefix_cache"] = boom
+        with pytest.raises(CallFailed, match="boom") as info:
+            await group.call(1, "reset_prefix_cache")
+        assert info.value.rank == 1
+        with pytest.raises(CallTimeout):
+            await group.call(0, "never_answers", timeout=0.2)
+        ids = [u[1] for e in fake.engines for u in e.got("utility")]
+        assert len(set(ids)) == 4 and all(0 <= i < 2**64 for i in ids)
+
+
+async def test_least_loaded_uses_scheduler_stats() -> None:
+    async with vllm_group(2) as (group, fake):
+        fake.engines[0].stats_override = {
+            "num_running_reqs": 1,
+            "num_waiting_reqs": 50,
+            "kv_cache_usage": 0.9,
+        }
+        async with group.submit(req("busy", max_tokens=10**9, rank=0)) as stream:
+            await stream.receive()
+            assert group.statistics().ranks[0].load.waiting == 50
+            for i in range(3):
+                await collect(group, req(f"x{i}", max_tokens=1))
+            assert len(fake.engines[1].got("add")) == 3
+            await group.abort("busy")
+
+
+async def test_handshake_timeout_names_the_missing_ranks() -> None:
+    d = tempfile.mkdtemp(prefix="zv", dir="/tmp")
+    fake = FakeVllmGroup(f"ipc://{d}/hs", 3)
+    fake.engines[2].no_ready = True
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fake.engines[0].run)
+            nursery.start_soon(fake.engines[2].run)
+            with pytest.raises(HandshakeTimeout) as info:
+                async with VllmEngineGroup.connect(fake.url, 3, ready_timeout=1.0):
+                    pass
+            nursery.cancel_scope.cancel()
+    finally:
+        fake.close()
+        shutil.rmtree(d, ignore_errors=True)
+    assert set(info.value.missing) == {1, 2}
+    assert "no HELLO" in info.value.missing[1]
+    assert "no READY" in info.value.missing[2]
+    assert "rank 1" in str(info.value) and "rank 2" in str(info.value)
+
+
+async def test_engine_core_dead_fails_the_group() -> None:
+    async with vllm_group(2) as (group, fake):
+        async with group.submit(req("a", max_tokens=10**9, rank=0)) as sa:
+            await sa.receive()
+            fake.engines[1].die()
+            with pytest.raises(GroupClosed, match="ENGINE_CORE_DEAD"):
+                async for _ in sa:
+                    pass
+        assert group.closed is not None
+        with pytest.raises(GroupClosed):
+            group.submit(req("b"))
+
+
+async def test_dense_rank_that_vanishes_fails_only_its_requests() -> None:
+    async with vllm_group(2, silence_timeout=1.0) as (group, fake):
+        await collect(group, req("warm", rank=1))
+        fake.engines[1].vanish()
+        # EHOSTUNREACH if the ROUTER has seen the DEALER go, else silence: either way
+        with pytest.raises(EngineDead) as info:
+            await collect(group, req("v", rank=1))
+        assert info.value.rank == 1
+        assert group.rank_state(1).value is RankState.DOWN
+        tokens, _ = await collect(group, req("after"))
+        assert tokens == [21, 22, 23, 24]
+
+
+async def test_silent_rank_is_declared_dead() -> None:
+    async with vllm_group(2, silence_timeout=0.5) as (group, fake):
+        fake.engines[1].freeze()
+        with pytest.raises(EngineDead, match="silent") as info:
+            await collect(group, req("s", rank=1))
+        assert info.value.rank == 1
+        tokens, _ = await collect(group, req("ok", rank=0))
+        assert tokens == [21, 22, 23, 24]
+
+
+# -- MoE (lockstep) ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout_s(30)
+@pytest.mark.parametrize("sync_interval", [1, 3])
+async def test_moe_waves(sync_interval: int) -> None:
+    """Requests pinned to one rank finish only if the other rank is woken (it must join
+    every collective); the group parks between rounds and is woken again."""
+    async with vllm_group(2, moe=True, fake_kw={"sync_interval": sync_interval}) as (group, fake):
+        assert fake.engines[0].init is not None
+        pc = fake.engines[0].init["parallel_config"]
+        assert (
+            pc["data_parallel_size"] == 2 and fake.engines[0].init["addresses"]["coordinator_input"]
+        )
+        seen = group.wave.value
+        assert seen == 0
+        for round_ in range(3):
+            for rank in (0, 1):
+                tokens, outs = await collect(
+                    group, req(f"m{round_}{rank}", max_tokens=3, rank=rank)
+                )
+                assert tokens == [21, 22, 23] and outs[-1].finish == "length"
+                await group.wave.wait_value(lambda w, s=seen: w > s)  # the group parked
+                seen = group.wave.value
+                assert all(not e.engines_running for e in fake.engines) or True
+        waves = {e.current_wave for e in fake.engines}
+        assert len(waves) == 1  # one wave number across the group
+        adds = [a for e in fake.engines for a in e.got("add")]
+        assert all(a[12] <= group.wave.value for a in adds)  # never stamped above c
+        assert group.statistics().stall_wakes == 0
+
+
+async def test_moe_concurrent_requests_both_ranks() -> None:
+    async with vllm_group(2, moe=True) as (group, _fake):
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(collect, group, req(f"c{i}", max_tokens=4))
+        assert group.statistics().finished == 8
+
+
+async def test_moe_rank_death_fails_the_whole_group() -> None:
+    async with vllm_group(2, moe=True, silence_timeout=0.5) as (group, fake):
+        await collect(group, req("w", max_tokens=2, rank=0))
+        fake.engines[1].freeze()
+        fake.engines[0].freeze()
+        with pytest.raises((EngineDead, GroupClosed)):
+            await collect(group, req("x", max_tokens=2, rank=1))
+        assert group.closed is not None and "lockstep" in group.closed.cause

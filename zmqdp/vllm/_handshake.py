@@ -1,0 +1,188 @@
+"""The frontend's side of vLLM's engine start-up handshake, as a plain state machine.
+
+Theory of operation
+-------------------
+vLLM (`vllm/v1/engine/utils.py` `wait_for_engine_startup`, `core.py`
+`startup_handshake`): each engine connects a DEALER (identity = its DP rank, 2 bytes
+little-endian) to the frontend's handshake ROUTER and says **HELLO**
+``{"status": "HELLO", "local", "headless"}``. The frontend answers with the init
+(`EngineHandshakeMetadata`: the addresses to connect to, and for MoE groups a
+`parallel_config`). The engine connects its input DEALER and output PUSH, sends its
+`EngineCoreReadyResponse` **on the input socket** (that is what lets the frontend's
+ROUTER route to it), and finally says **READY** on the handshake socket (with
+`parallel_config_hash` when DP > 1).
+
+A rank is *up* once its READY and its ready response have both arrived after its
+latest HELLO, in either order. A HELLO from a rank that had said HELLO before is a
+**rejoin**: its previous incarnation is dead. A ready response from a rank with no
+HELLO (it belongs to an incarnation that is gone) is stale and ignored.
+
+MoE groups: every rank's READY must carry the same `parallel_config_hash` as the
+first one (vLLM compares it with the frontend's own config, which zmqdp does not
+have; the caller may give the expected hash). A mismatching READY is rejected: the
+rank stays down and the timeout names it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._core.errors import quote
+from ._wire import identity_rank
+
+__all__ = ["HelloVerdict", "VllmHandshake"]
+
+
+class _Step(enum.Enum):
+    NEW = "no HELLO on the handshake socket"
+    HELLO = "said HELLO (init sent); no READY and no ready response yet"
+    UP = "up"
+
+
+@dataclass(slots=True)
+class _Rank:
+    step: _Step = _Step.NEW
+    ready: dict[str, Any] | None = None
+    response: dict[str, Any] | None = None
+    hellos: int = 0
+    rejected: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HelloVerdict:
+    rank: int | None
+    reply: bytes | None
+    """The init to send back (None: the HELLO was refused, see `error`)."""
+    rejoin: bool = False
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class VllmHandshake:
+    size: int
+    init_for: Callable[[int], bytes]
+    """The init (EngineHandshakeMetadata bytes) for a rank."""
+    lockstep: bool = False
+    expected_hash: str | None = None
+    ranks: list[_Rank] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    rejections: int = 0
+    ignored: int = 0
+    config_hash: str | None = None
+
+    def __post_init__(self) -> None:
+        self.ranks = [_Rank() for _ in range(self.size)]
+        self.config_hash = self.expected_hash
+
+    def _rank(self, identity: bytes) -> int | None:
+        rank = identity_rank(identity)
+        return rank if rank is not None and rank < self.size else None
+
+    def _reject(self, why: str) -> None:
+        self.rejections += 1
+        self.rejected.append(why)
+        del self.rejected[:-16]
+
+    def on_hello(self, identity: bytes, msg: dict[str, Any]) -> HelloVerdict:
+        rank = self._rank(identity)
+        if rank is None:
+            why = f"identity {identity.hex()} is no rank of a group of {self.size}"
+            self._reject(why)
+            return HelloVerdict(None, None, error=why)
+        r = self.ranks[rank]
+        rejoin = r.hellos > 0
+        r.hellos += 1
+        r.step, r.ready, r.response, r.rejected = _Step.HELLO, None, None, None
+        return HelloVerdict(rank, self.init_for(rank), rejoin=rejoin)
+
+    def on_ready(self, identity: bytes, msg: dict[str, Any]) -> int | None:
+        """READY on the handshake socket; returns the rank if it is now up."""
+        rank = self._rank(identity)
+        if rank is None or self.ranks[rank].step is not _Step.HELLO:
+            self.ignored += 1
+            return None
+        r = self.ranks[rank]
+        if self.lockstep:
+            h = msg.get("parallel_config_hash")
+            if self.config_hash is None and type(h) is str:
+                self.config_hash = h
+            if h != self.config_hash:
+                why = (
+                    f"rank {rank}: READY parallel_config_hash {quote(h)} differs from "
+                    f"{quote(self.config_hash)}: the MoE ranks' parallel configs differ"
+                )
+                self._reject(why)
+                r.rejected = why
+                r.step = _Step.NEW
+                return None
+        r.ready = msg
+        return self._maybe_up(rank)
+
+    def on_ready_response(self, identity: bytes, info: dict[str, Any]) -> int | None:
+        """The engine's `EngineCoreReadyResponse` on the input socket; returns the rank
+        if it is now up."""
+        rank = self._rank(identity)
+        if rank is None or self.ranks[rank].step is not _Step.HELLO:
+            self.ignored += 1
+            return None
+        self.ranks[rank].response = info
+        return self._maybe_up(rank)
+
+    def _maybe_up(self, rank: int) -> int | None:
+        r = self.ranks[rank]
+        if r.ready is not None and r.response is not None:
+            r.step = _Step.UP
+            return rank
+        return None
+
+    def forget(self, rank: int) -> None:
+        """The rank is dead: it is up again only after a new HELLO."""
+        r = self.ranks[rank]
+        r.step, r.ready, r.response = _Step.NEW, None, None
+
+    def is_up(self, rank: int) -> bool:
+        return self.ranks[rank].step is _Step.UP
+
+    def ready(self) -> bool:
+        return all(r.step is _Step.UP for r in self.ranks)
+
+    def missing(self) -> dict[int, str]:
+        """Why each rank that is not up is not, for `HandshakeTimeout`."""
+        out = {}
+        for rank, r in enumerate(self.ranks):
+            if r.step is _Step.UP:
+                continue
+            if r.rejected is not None:
+                out[rank] = r.rejected
+            elif r.step is _Step.NEW:
+                out[rank] = r.step.value
+            elif r.ready is None and r.response is None:
+                out[rank] = (
+                    "said HELLO (init sent); no READY, no ready response on the input socket"
+                )
+            elif r.ready is None:
+                out[rank] = "sent its ready response on the input socket; no READY"
+            else:
+                out[rank] = "said READY; no ready response on the input socket"
+        return out
+
+    # -- what EngineGroup reads ---------------------------------------------------------
+
+    def info(self, rank: int) -> dict[str, Any]:
+        """The rank's `EngineCoreReadyResponse` (max_num_seqs, max_model_len, ...)."""
+        return dict(self.ranks[rank].response or {})
+
+    def epoch(self, rank: int) -> int | None:
+        return None
+
+    def wave(self, rank: int) -> int | None:
+        return None
+
+    def engine_max_message_size(self, rank: int) -> int | None:
+        return None
+
+    def hello_wave(self) -> int:
+        return 0

@@ -1,0 +1,429 @@
+"""The frontend's sockets for a group of vLLM engines, and the tasks that own them.
+
+Theory of operation
+-------------------
+vLLM's socket map (`vllm/v1/engine/core_client.py`, `core.py`, `coordinator.py`):
+
+* handshake ROUTER, bound at the address engines were started with
+  (``--data-parallel-address HOST --data-parallel-rpc-port PORT``): owned by
+  `serve_handshake`, which answers every HELLO with the rank's init and records READYs,
+  for the life of the group (a restarted engine says HELLO again: a rejoin);
+* input ROUTER (requests; engines connect DEALERs, identity = rank): owned by
+  `serve_input`, which sends what other tasks queue with `send` (a per-rank `Outbox`,
+  the owner is kicked awake) and receives the engines' ready responses;
+* output PULL (engines connect PUSH): handed to the dispatcher, its only user;
+* MoE groups only, the coordinator role: an XPUB that engines subscribe to (their
+  coordinator input), owned by `serve_coordinator`, which publishes ``READY`` once all
+  ranks subscribed (and again on every later subscription, which engines ignore once
+  started) and the START_DP_WAVEs the client queues with `publish`. The engines'
+  coordinator output (stats, ``wave_complete``, ``start_wave``) is the same output PULL:
+  those messages reach the one dispatcher, in the stream it already reads.
+
+Every ROUTER sets ROUTER_MANDATORY (a send to an engine that is gone fails with
+EHOSTUNREACH and is reported through `listener.send_failed`), every socket LINGER 0,
+except the input socket at close, which is given `CLOSE_LINGER` to deliver the ABORTs
+queued for live requests. Every zmq call is non-blocking (`ZSocket`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import socket as _socket
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+import zmq
+
+from .._core.errors import HandshakeTimeout, ProtocolError
+from .._core.outbox import Outbox
+from .._transport import CLOSE_LINGER, TransportListener, TransportStatistics
+from .._util import LogLimiter, open_service_nursery
+from .._zmq import ZSocket, is_unreachable
+from ._handshake import VllmHandshake
+from ._wire import (
+    COORDINATOR_READY,
+    decode_hello,
+    decode_ready_response,
+    encode_init,
+    rank_identity,
+)
+
+__all__ = ["VllmTransport", "open_vllm_transport"]
+
+log = logging.getLogger("zmqdp.vllm")
+
+
+def _free_tcp_ports(host: str, n: int) -> list[int]:
+    """`n` ports the OS says are free now on `host` (for the MoE parallel_config)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _sibling(url: str, name: str) -> str:
+    """Where to bind the input/output/coordinator sockets next to the handshake URL:
+    ``tcp://HOST:*`` (the OS picks the port), or ``ipc://PATH-name``."""
+    if url.startswith("tcp://"):
+        host = url[len("tcp://") :].rsplit(":", 1)[0]
+        return f"tcp://{host}:*"
+    if url.startswith("ipc://"):
+        return f"{url}-{name}"
+    raise ValueError(f"a vLLM handshake URL is tcp://HOST:PORT or ipc://PATH, got {url!r}")
+
+
+class VllmTransport:
+    """Bound frontend sockets for one vLLM engine group. Use `open_vllm_transport`."""
+
+    def __init__(
+        self,
+        url: str,
+        size: int,
+        *,
+        lockstep: bool,
+        advertise_host: str | None = None,
+        parallel_config: Mapping[str, Any] | None = None,
+        parallel_config_hash: str | None = None,
+        send_timeout: float = 10.0,
+        listener: TransportListener | None = None,
+    ) -> None:
+        self.size = size
+        self.lockstep = lockstep
+        self.listener = listener or TransportListener()
+        self.send_timeout = send_timeout
+        self._logs = LogLimiter(log)
+        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sockets: list[ZSocket] = []
+        self.coordinator: ZSocket | None = None
+        try:
+            self.handshake = self._bind(zmq.ROUTER, url)
+            self.input = self._bind(zmq.ROUTER, _sibling(url, "input"))
+            self.output = self._bind(zmq.PULL, _sibling(url, "output"))
+            if lockstep:
+                self.coordinator = self._bind(zmq.XPUB, _sibling(url, "coordinator"))
+        except BaseException:
+            self._close_all()
+            raise
+        self.input_address = self._advertised(self.input, advertise_host)
+        self.output_address = self._advertised(self.output, advertise_host)
+        self.coordinator_address = (
+            None if self.coordinator is None else self._advertised(self.coordinator, advertise_host)
+        )
+        if lockstep and parallel_config is None:
+            host = advertise_host or "127.0.0.1"
+            p = _free_tcp_ports("0.0.0.0" if advertise_host else host, 4)
+            parallel_config = {
+                "data_parallel_master_ip": host,
+                "data_parallel_master_port": p[0],
+                "_data_parallel_master_port_list": p[1:3],
+                "_coord_store_port": p[3],
+                "data_parallel_size": size,
+            }
+        self.parallel_config = dict(parallel_config or {})
+        self.init_body = encode_init(
+            [self.input_address],
+            [self.output_address],
+            self.coordinator_address,
+            self.output_address if lockstep else None,  # the coordinator's PULL: ours
+            None,
+            self.parallel_config if lockstep else {},
+        )
+        self.state = VllmHandshake(
+            size,
+            lambda _rank: self.init_body,
+            lockstep=lockstep,
+            expected_hash=parallel_config_hash,
+        )
+        self.outbox: Outbox[list[bytes]] = Outbox(size, send_timeout=send_timeout)
+        self._identities = [rank_identity(r) for r in range(size)]
+        self._published: collections.deque[list[bytes]] = collections.deque()
+        self.subscriptions = 0
+        self._dropped_answers = 0
+        self._input_rounds = 0
+        self.ranks_changed = trio.Event()
+        self.nursery: trio.Nursery | None = None
+
+    def _bind(self, kind: int, address: str) -> ZSocket:
+        sock = self.context.socket(kind)
+        zs = ZSocket(sock)
+        self._sockets.append(zs)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its identity
+        if kind == zmq.XPUB:
+            sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, duplicates too
+        if kind in (zmq.PULL, zmq.ROUTER):
+            sock.setsockopt(zmq.RCVHWM, 0)  # as vLLM: engines never block on us
+        sock.bind(address)
+        return zs
+
+    @staticmethod
+    def _advertised(zs: ZSocket, host: str | None) -> str:
+        endpoint = zs.sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        address = endpoint.decode()
+        if host is not None and address.startswith("tcp://"):
+            address = f"tcp://{host}:{address.rsplit(':', 1)[1]}"
+        return address
+
+    # -- sending (any task) -------------------------------------------------------------
+
+    def send(self, rank: int, frames: Sequence[bytes]) -> None:
+        """Queue a message for `rank` on the input socket; never blocks."""
+        if self.input.closed:
+            raise trio.ClosedResourceError("the engine group's sockets are closed")
+        if self.outbox.put(rank, [self._identities[rank], *frames]):
+            self.input.kick()
+
+    def publish(self, frames: list[bytes]) -> None:
+        """Queue a message for every engine on the coordinator XPUB (MoE groups)."""
+        assert self.coordinator is not None
+        if self.coordinator.closed:
+            raise trio.ClosedResourceError("the engine group's sockets are closed")
+        self._published.append(frames)
+        self.coordinator.kick()
+
+    def drop_queued(self, rank: int) -> None:
+        self.outbox.drop(rank)
+
+    def forget(self, rank: int, *, resync: bool = True) -> None:
+        """The rank is dead: it is up again after a new HELLO (vLLM has no RESYNC)."""
+        self.state.forget(rank)
+
+    # -- the owning tasks ---------------------------------------------------------------
+
+    async def serve_handshake(self) -> None:
+        """Own the handshake ROUTER: answer HELLOs, record READYs, forever."""
+        zs = self.handshake
+        while True:
+            batch = await zs.receive_batch()
+            for frames in batch:
+                self._on_handshake(frames)
+
+    def _on_handshake(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.state.ignored += 1
+            return
+        identity, body = frames
+        try:
+            msg = decode_hello(body)
+        except ProtocolError as exc:
+            self.state.ignored += 1
+            self._logs.log(logging.WARNING, "hs", "handshake: from %s: %s", identity.hex(), exc)
+            return
+        status = msg["status"]
+        if status == "HELLO":
+            verdict = self.state.on_hello(identity, msg)
+            if verdict.reply is None:
+                log.warning("handshake: refused a HELLO: %s", verdict.error)
+                return
+            assert verdict.rank is not None
+            if verdict.rejoin:
+                log.warning("rank %d: HELLO again: its previous incarnation is dead", verdict.rank)
+                self.listener.rejoin(verdict.rank)
+            self._answer(identity, verdict.reply)
+        elif status == "READY":
+            if (rank := self.state.on_ready(identity, msg)) is not None:
+                self._rank_up(rank)
+        else:
+            self.state.ignored += 1
+
+    def _answer(self, identity: bytes, body: bytes) -> None:
+        try:
+            if self.handshake.send_nowait([identity, body]):
+                return
+            cause = "its queue is full"
+        except zmq.ZMQError as exc:
+            cause = str(exc)
+        self._dropped_answers += 1
+        log.warning("handshake: could not answer identity %s: %s", identity.hex(), cause)
+
+    def _rank_up(self, rank: int) -> None:
+        log.info("rank %d: up", rank)
+        self.listener.rank_up(rank)
+        self.ranks_changed.set()
+        self.ranks_changed = trio.Event()
+
+    async def serve_input(self) -> None:
+        """Own the input ROUTER: send queued messages, receive ready responses."""
+        zs = self.input
+        outbox = self.outbox
+        while True:
+            self._input_rounds += 1
+            now = trio.current_time()
+            sent_any = self._flush_input(now)
+            received = zs.receive_nowait()
+            for frames in received:
+                self._on_input(frames)
+            for rank in outbox.overdue(now):
+                outbox.drop(rank)
+                self._send_failed(rank, f"its input pipe stayed full for {self.send_timeout:g} s")
+            if sent_any:
+                self.listener.flushed()
+            if sent_any or received:
+                await trio.lowlevel.checkpoint()
+                continue
+            with trio.move_on_at(outbox.next_retry()):
+                await zs.wait_readable_or_kicked()
+
+    def _flush_input(self, now: float) -> bool:
+        zs = self.input
+        outbox = self.outbox
+        sent = False
+        for rank in outbox.sendable(now):
+            while (frames := outbox.head(rank)) is not None:
+                try:
+                    if not zs.send_nowait(frames):
+                        outbox.blocked(rank, now)
+                        break
+                except zmq.ZMQError as exc:
+                    outbox.drop(rank)
+                    self._send_failed(
+                        rank,
+                        "not connected to the input socket (EHOSTUNREACH)"
+                        if is_unreachable(exc)
+                        else f"send failed: {exc}",
+                    )
+                    break
+                outbox.sent(rank)
+                sent = True
+        return sent
+
+    def _send_failed(self, rank: int, cause: str) -> None:
+        log.warning("rank %d: %s", rank, cause)
+        self.listener.send_failed(rank, cause)
+
+    def _on_input(self, frames: list[bytes]) -> None:
+        if len(frames) == 2:
+            try:
+                info = decode_ready_response(frames[1])
+            except ProtocolError as exc:
+                self.state.ignored += 1
+                self._logs.log(logging.WARNING, "in", "input: from %s: %s", frames[0].hex(), exc)
+                return
+            if (rank := self.state.on_ready_response(frames[0], info)) is not None:
+                self._rank_up(rank)
+            return
+        self.state.ignored += 1
+
+    async def serve_coordinator(self) -> None:
+        """Own the coordinator XPUB (MoE): count subscriptions, publish READY once all
+        ranks subscribed (and on every later one), publish queued START_DP_WAVEs."""
+        zs = self.coordinator
+        assert zs is not None
+        while True:
+            for frames in zs.receive_nowait():
+                if frames and frames[0][:1] == b"\x01":
+                    self.subscriptions += 1
+                    if self.subscriptions >= self.size:
+                        self._published.append([COORDINATOR_READY])
+            while self._published:
+                # XPUB never blocks: a slow subscriber drops (at HWM, unbounded here).
+                zs.send_nowait(self._published.popleft())
+            await zs.wait_readable_or_kicked()
+
+    # -- waiting and closing ------------------------------------------------------------
+
+    async def wait_ready(self) -> None:
+        while not self.state.ready():
+            await self.ranks_changed.wait()
+
+    def timeout_error(self, timeout: float) -> HandshakeTimeout:
+        return HandshakeTimeout(self.state.missing(), list(self.state.rejected), timeout)
+
+    def statistics(self) -> TransportStatistics:
+        return TransportStatistics(
+            handshake=self.handshake.statistics(),
+            input=self.input.statistics(),
+            output=self.output.statistics(),
+            rejected_hellos=self.state.rejections,
+            ignored_handshake_messages=self.state.ignored,
+            stale_registers=0,
+            resyncs=0,
+            dropped_answers=self._dropped_answers,
+            identity_conflicts=0,
+            queued=tuple(self.outbox.queued(r) for r in range(self.size)),
+            input_rounds=self._input_rounds,
+            refused_connections=0,
+            impersonations=0,
+        )
+
+    def _close_all(self) -> None:
+        for zs in self._sockets:
+            zs.close()
+        self._sockets = []
+        self.context.term()
+
+    async def aclose(self) -> None:
+        """Close after the owning tasks ended: push what is queued on the input socket
+        (ABORTs of live requests), close it with `CLOSE_LINGER`, the others at once, and
+        terminate the context in a worker thread (`term()` blocks for the LINGER)."""
+        zs = self.input
+        if not zs.closed:
+            zs.release()
+            for rank in range(self.size):
+                for frames in self.outbox.take_all(rank):
+                    try:
+                        if not zs.send_nowait(frames):
+                            break
+                    except zmq.ZMQError:
+                        break
+        zs.close(linger=CLOSE_LINGER)
+        for other in self._sockets:
+            other.close()
+        self._sockets = []
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self.context.term)
+
+
+@asynccontextmanager
+async def open_vllm_transport(
+    url: str,
+    engines: int,
+    *,
+    lockstep: bool,
+    ready_timeout: float,
+    advertise_host: str | None = None,
+    parallel_config: Mapping[str, Any] | None = None,
+    parallel_config_hash: str | None = None,
+    send_timeout: float = 10.0,
+    listener: TransportListener | None = None,
+) -> AsyncIterator[VllmTransport]:
+    """Bind, serve the handshake, wait for all `engines` ranks (`HandshakeTimeout`
+    naming each missing rank and why), yield; leaving closes everything."""
+    transport = VllmTransport(
+        url,
+        engines,
+        lockstep=lockstep,
+        advertise_host=advertise_host,
+        parallel_config=parallel_config,
+        parallel_config_hash=parallel_config_hash,
+        send_timeout=send_timeout,
+        listener=listener,
+    )
+    try:
+        async with open_service_nursery() as nursery:
+            transport.nursery = nursery
+            nursery.start_soon(transport.serve_handshake, name="zmqdp-vllm-handshake")
+            nursery.start_soon(transport.serve_input, name="zmqdp-vllm-input")
+            if transport.coordinator is not None:
+                nursery.start_soon(transport.serve_coordinator, name="zmqdp-vllm-coordinator")
+            with trio.move_on_after(ready_timeout) as waiting:
+                await transport.wait_ready()
+            if waiting.cancelled_caught:
+                raise transport.timeout_error(ready_timeout)
+            yield transport
+    finally:
+        with contextlib.suppress(trio.ClosedResourceError):
+            await transport.aclose()
