@@ -26,8 +26,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.vllm_fake import FakeVllmGroup  # noqa: E402
-from zmqdp.vllm import SamplingParams, VllmEngineGroup, VllmRequest  # noqa: E402
+from tests.vllm_fake import FakeVllmGroup
+from zmqdp.vllm import SamplingParams, VllmEngineGroup, VllmRequest
 
 
 async def one_round(ranks: int, requests: int, tokens: int, per_step: int) -> float:
