@@ -215,7 +215,13 @@ def search(
 ) -> SearchResult:
     """Breadth-first search of every interleaving; the first stuck state wins (so the
     counterexample is a shortest one)."""
-    start = World(cfg, clock_factory())
+    return explore(World(cfg, clock_factory()), limit)
+
+
+def explore(start: Any, limit: int = 2_000_000) -> SearchResult:
+    """`search` from any start state with `clone`, `key`, `actions`, `apply` and
+    `stuck` (tests/vllm_wave_model.py uses it for vLLM's engine rules)."""
+    cfg = start.cfg
     parents: dict[tuple[Any, ...], tuple[tuple[Any, ...], tuple[str, int]] | None] = {
         start.key(): None
     }

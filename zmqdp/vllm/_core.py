@@ -21,9 +21,33 @@ from typing import Any
 
 from .._core.errors import ProtocolError
 from .._core.state import BatchRest, BatchResult, GroupCore
+from .._core.waves import WaveClock
 from ._wire import ENGINE_CORE_DEAD, decode_outputs, encode_abort, encode_add, sampling_map
 
-__all__ = ["VllmCore"]
+__all__ = ["VllmCore", "request_wave", "start_dp_wave"]
+
+
+def request_wave(clock: WaveClock | None) -> int:
+    """An ADD's `current_wave`: the clock `c` (0 in a dense group). A wave some rank has
+    reached, never a lead: vLLM's engines adopt a request wave newer than their own, so
+    a lead would renumber one rank of a running group ahead of its peers."""
+    return clock.wave if clock is not None else 0
+
+
+def start_dp_wave(wave: int) -> tuple[int, int | None]:
+    """zmqdp's WAKE(c) on vLLM's wire: the coordinator's START_DP_WAVE(c, exclude=None),
+    for the post-ADD WAKE, the answer to the `start_wave`s of a dispatcher pass and the
+    stall WAKE alike.
+
+    Never an excluded engine index. vLLM's own coordinator excludes the engine whose
+    `start_wave: w` it answers with that very `w` (that engine woke itself at `w`).
+    zmqdp answers with the clock `c >= w`, one START_DP_WAVE for every `start_wave` of
+    a dispatcher pass: by then the reporter may be parked again at `c` (its request ran
+    in a wave the clock has since seen complete), and excluding it would wake its peers
+    without it. An engine that is already running at `c` is unaffected by the wake;
+    one running at a lower wave never is (the clock never leads), so including the
+    reporter is always safe. tests/vllm_wave_model.py checks both claims."""
+    return wave, None
 
 
 class VllmCore(GroupCore[Any]):
@@ -51,7 +75,7 @@ class VllmCore(GroupCore[Any]):
             data_parallel_rank=request.rank,
             cache_salt=request.cache_salt,
             client_index=self.client_index,
-            current_wave=self.clock.wave if self.clock is not None else 0,
+            current_wave=request_wave(self.clock),
             priority=request.priority,
             external_req_id=request.id,
         )

@@ -49,7 +49,7 @@ from .._core.errors import (
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE, check_timeout
 from ..client import EngineGroup, Request, _GroupListener
 from ..stream import RequestStream
-from ._core import VllmCore
+from ._core import VllmCore, start_dp_wave
 from ._transport import VllmTransport, open_vllm_transport
 from ._wire import SamplingParams, encode_start_dp_wave, encode_utility
 
@@ -229,4 +229,4 @@ class VllmEngineGroup(EngineGroup):
         """zmqdp's WAKE(c) is the coordinator's START_DP_WAVE(c, exclude=None)."""
         if not stall:
             self._wake_rounds += 1
-        self._transport.publish(encode_start_dp_wave(wave, None))
+        self._transport.publish(encode_start_dp_wave(*start_dp_wave(wave)))
