@@ -1,84 +1,162 @@
-"""zmqdp's vLLM dialect against fake vLLM engines (tests/vllm_fake.py, in this process):
-tokens per second delivered to consumers, ready for a side-by-side with vLLM's own DP
-client driving the same engines.
+"""V1: zmqdp's vLLM dialect, tokens per second delivered to consumers, ÷ the native
+`EngineGroup` against equivalent engines.
 
     .venv/bin/python benchmarks/bench_vllm.py [--quick] [--ranks N] [--requests R]
-        [--tokens T] [--per-step K]
+        [--tokens T] [--per-step K] [--rounds 7]
 
-Each request streams T tokens, K per engine step (one `EngineCoreOutputs` per step
-carries every running request, as vLLM's engines send them); R requests run at once,
-each read by its own consumer task. The figure is tokens received by consumers / wall
-time, median of the rounds. Standalone (no ratio row yet: the native-path baseline
-against equivalent engines is still to write), so `run_all.py` does not collect it.
+Two fake engine groups run in processes of their own (benchmarks/_vllm_engines.py) with
+the same toy scheduler: `ranks` ranks, each step one message carrying `per_step` new
+tokens of every running request (vLLM's engines send one `EngineCoreOutputs` per step).
+One is tests/vllm_fake.py's vLLM 0.33 engines (msgspec `EngineCoreOutputs`), driven by
+`zmqdp.vllm.VllmEngineGroup`; the other is `zmqdp.engine` engines (docs/protocol.md,
+CBOR), driven by `zmqdp.EngineGroup`. Both groups stay connected; rounds alternate
+between them: `requests` requests of `tokens` tokens submitted at once (request i pinned
+to rank i mod `ranks`, so that each rank knows how many to wait for), each read by its
+own consumer task. Engines encode a round's messages before sending them (see
+_vllm_engines.py), so the clock runs from the first token a consumer receives to the
+last stream end: the figure is the client's delivery rate, tokens received by consumers
+/ that time, the median of each side.
+
+V1 is context (no target): what vLLM's wire costs zmqdp against its own wire, on this
+machine. For the side-by-side with vLLM's own DP client, drive the same fake engines
+(`_vllm_engines.vllm_group`) with vLLM's `DPLBAsyncMPClient` and compare with the
+absolute vLLM-dialect figure printed here.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
-import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
+from typing import Any, ClassVar
 
 import trio
+from _engines import engine_process
+from _harness import Row, median, save
+from _vllm_engines import native_group, vllm_group
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.vllm_fake import FakeVllmGroup
+from zmqdp import EngineGroup, Request
 from zmqdp.vllm import SamplingParams, VllmEngineGroup, VllmRequest
 
+PROMPT = [1, 2, 3]
 
-async def one_round(ranks: int, requests: int, tokens: int, per_step: int) -> float:
-    d = tempfile.mkdtemp(prefix="zvb", dir="/tmp")
-    fake = FakeVllmGroup(f"ipc://{d}/hs", ranks, tokens_per_step=per_step)
-    received = 0
-    try:
-        async with trio.open_nursery() as nursery:
-            for e in fake.engines:
-                nursery.start_soon(e.run)
-            async with VllmEngineGroup.connect(fake.url, ranks, ready_timeout=10) as group:
 
-                async def consume(i: int) -> None:
-                    nonlocal received
-                    sp = SamplingParams(temperature=0.0, max_tokens=tokens)
-                    async with group.submit(VllmRequest(f"b{i}", [1, 2, 3], sp)) as stream:
-                        async for out in stream:
-                            received += len(out.body.token_ids)
+class Round:
+    """One round's clock: from the first token a consumer gets to the last stream end."""
 
-                start = time.perf_counter()
-                async with trio.open_nursery() as inner:
-                    for i in range(requests):
-                        inner.start_soon(consume, i)
-                elapsed = time.perf_counter() - start
-            nursery.cancel_scope.cancel()
-    finally:
-        fake.close()
-        shutil.rmtree(d, ignore_errors=True)
-    assert received == requests * tokens, (received, requests * tokens)
-    return received / elapsed
+    cpu_shares: ClassVar[dict[str, list[float]]] = {"vllm": [], "native": []}
+    """Per side, the client process's CPU time / wall time while tokens flowed (near 1:
+    the client is the bottleneck, as it should be)."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+        self.first: float | None = None
+        self.cpu = 0.0
+        self.received = 0
+
+    def got(self, n: int) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+            self.cpu = time.process_time()
+        self.received += n
+
+    def rate(self, expected: int) -> float:
+        end = time.perf_counter()
+        assert self.received == expected and self.first is not None, (self.received, expected)
+        self.cpu_shares[self.side].append((time.process_time() - self.cpu) / (end - self.first))
+        return self.received / (end - self.first)
+
+
+async def vllm_round(group: VllmEngineGroup, requests: int, tokens: int) -> float:
+    clock = Round("vllm")
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens)
+
+    async def consume(i: int) -> None:
+        request = VllmRequest(f"v{i}", PROMPT, sp, rank=i % group.size)
+        async with group.submit(request) as stream:
+            async for out in stream:
+                clock.got(len(out.body.token_ids))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(requests):
+            nursery.start_soon(consume, i)
+    return clock.rate(requests * tokens)
+
+
+async def native_round(group: EngineGroup, requests: int, tokens: int) -> float:
+    clock = Round("native")
+    body = {"prompt": PROMPT, "max_tokens": tokens}
+
+    async def consume(i: int) -> None:
+        async with group.submit(Request(f"n{i}", body, rank=i % group.size)) as stream:
+            async for out in stream:
+                clock.got(len(out.body))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(requests):
+            nursery.start_soon(consume, i)
+    return clock.rate(requests * tokens)
+
+
+async def measure(a: Any) -> dict[str, list[float]]:
+    directory = tempfile.mkdtemp(prefix="zmqdp-v1-")
+    vurl, nurl = f"ipc://{directory}/vllm", f"ipc://{directory}/native"
+    if a.requests % a.ranks:
+        raise SystemExit("--requests must be a multiple of --ranks")
+    per_rank = a.requests // a.ranks
+    with (
+        engine_process(vllm_group, vurl, a.ranks, a.per_step, per_rank),
+        engine_process(native_group, nurl, a.ranks, a.per_step, per_rank),
+    ):
+        async with (
+            VllmEngineGroup.connect(vurl, a.ranks, ready_timeout=30) as vgroup,
+            EngineGroup.connect(nurl, a.ranks, ready_timeout=30) as ngroup,
+        ):
+            await vllm_round(vgroup, a.requests, a.tokens)  # warm up
+            await native_round(ngroup, a.requests, a.tokens)
+            Round.cpu_shares = {"vllm": [], "native": []}
+            out: dict[str, list[float]] = {"vllm": [], "native": []}
+            for _ in range(a.rounds):
+                out["vllm"].append(await vllm_round(vgroup, a.requests, a.tokens))
+                out["native"].append(await native_round(ngroup, a.requests, a.tokens))
+            return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a short run (the smoke test)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--per-step", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
     if a.quick:
-        a.requests, a.tokens, a.rounds = 16, 16, 1
-    rates = [
-        trio.run(one_round, a.ranks, a.requests, a.tokens, a.per_step) for _ in range(a.rounds)
-    ]
-    print(
-        f"vLLM dialect, {a.ranks} fake ranks, {a.requests} concurrent requests x {a.tokens} "
-        f"tokens, {a.per_step} token(s)/step: {statistics.median(rates):,.0f} tokens/s "
-        f"delivered to consumers (median of {a.rounds}; rounds: "
-        f"{', '.join(f'{r:,.0f}' for r in rates)})"
+        a.requests, a.tokens, a.rounds = 64, 32, 2
+    results = trio.run(measure, a)
+    v, n = median(results["vllm"]), median(results["native"])
+    cv, cn = median(Round.cpu_shares["vllm"]), median(Round.cpu_shares["native"])
+    shape = (
+        f"{a.ranks} ranks, {a.requests} concurrent requests x {a.tokens} tokens, {a.per_step}/step"
+    )
+    for name, side, share in (("vLLM dialect", "vllm", cv), ("native", "native", cn)):
+        print(
+            f"{name:12}: {median(results[side]):,.0f} tokens/s delivered to consumers, client "
+            f"CPU {share:.0%} (rounds: {', '.join(f'{r:,.0f}' for r in results[side])})"
+        )
+    save(
+        "v1_vllm",
+        [
+            Row(
+                "V1",
+                "vLLM dialect tokens/s to consumers ÷ native EngineGroup, equivalent fake engines",
+                v / n,
+                "",
+                f"{v:,.0f} vs {n:,.0f} tokens/s (client CPU {cv:.0%} vs {cn:.0%}); {shape}; "
+                f"median of {a.rounds}",
+            )
+        ],
+        {**results, "cpu_shares": Round.cpu_shares, "shape": shape},
     )
 
 

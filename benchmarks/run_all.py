@@ -32,8 +32,9 @@ SCRIPTS = [
     "bench_select.py",
     "bench_latency.py",
     "bench_gateway.py",
+    "bench_vllm.py",
 ]
-ORDER = ["P1a", "P1a'", "P1b", "P2", "P3", "P4", "P6", "lat", "P5"]
+ORDER = ["P1a", "P1a'", "P1b", "P2", "P3", "P4", "P6", "lat", "P5", "V1"]
 ORDER += ["G32t", "G256t", "G32a", "G256a"]  # bench_gateway.py: HTTP ÷ direct (context)
 ISSUE = {  # the figure as the performance issue measured it on the main it was filed on
     "P1a": "0.24",
