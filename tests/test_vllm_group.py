@@ -21,11 +21,12 @@ from zmqdp._core.errors import (
     GroupClosed,
     HandshakeTimeout,
     InvalidRequest,
+    ProtocolError,
     RequestAborted,
 )
 from zmqdp.vllm import SamplingParams, VllmEngineGroup, VllmOutput, VllmRequest
 
-from .vllm_fake import FakeVllmGroup
+from .vllm_fake import FakeVllmGroup, output_entry, outputs_message
 
 
 @asynccontextmanager
@@ -41,6 +42,7 @@ async def vllm_group(
     fake = FakeVllmGroup(f"ipc://{d}/hs", n, moe=moe, **(fake_kw or {}))
     try:
         async with trio.open_nursery() as nursery:
+            fake.nursery = nursery
             for e in fake.engines:
                 if start is None or e.rank in start:
                     nursery.start_soon(e.run)
@@ -279,3 +281,137 @@ async def test_moe_rank_death_fails_the_whole_group() -> None:
         with pytest.raises((EngineDead, GroupClosed)):
             await collect(group, req("x", max_tokens=2, rank=1))
         assert group.closed is not None and "lockstep" in group.closed.cause
+
+
+# -- the native tests' fault modes, on vLLM's wire --------------------------------------
+
+
+async def test_dense_rank_that_restarts_is_taken_back() -> None:
+    """A new HELLO from a rank is a rejoin: its old incarnation's requests fail with
+    EngineDead, the new one is handshaken again (init, ready response, READY) and serves.
+    (vLLM has no RESYNC: a rank comes back only by saying HELLO again.)"""
+    async with vllm_group(2, silence_timeout=10.0) as (group, fake):
+        async with group.submit(req("held", max_tokens=10**9, rank=1)) as stream:
+            await stream.receive()
+            fake.engines[1].vanish()  # the engine process dies ...
+            again = fake.restart(1)
+            assert fake.nursery is not None
+            fake.nursery.start_soon(again.run)  # ... and is restarted
+            with pytest.raises(EngineDead, match="rejoin") as info:
+                async for _ in stream:
+                    pass
+            assert info.value.rank == 1
+        await group.rank_state(1).wait_value(RankState.UP)
+        tokens, _ = await collect(group, req("back", rank=1))
+        assert tokens == [21, 22, 23, 24] and again.got("add")
+        stats = group.statistics()
+        assert stats.failed == 1 and stats.finished == 1
+
+
+async def test_moe_rank_that_restarts_fails_the_group() -> None:
+    async with vllm_group(2, moe=True, silence_timeout=10.0) as (group, fake):
+        await collect(group, req("w", max_tokens=2, rank=0))
+        fake.engines[1].vanish()
+        assert fake.nursery is not None
+        fake.nursery.start_soon(fake.restart(1).run)
+        await group.rank_state(1).wait_value(RankState.DOWN)
+        assert group.closed is not None and "rejoin" in group.closed.cause
+
+
+@pytest.mark.timeout_s(30)
+async def test_moe_stalled_rank_gets_a_stall_start_dp_wave() -> None:
+    """A START_DP_WAVE lost on one rank (here dropped, as a vLLM engine drops them after
+    a pause consensus) leaves the rank holding the request alone in its collective: it
+    published waiting work and delivers nothing, so after `stall_timeout` the client
+    sends zmqdp's stall WAKE, START_DP_WAVE(c, None), and the group runs again."""
+    async with vllm_group(2, moe=True, stall_timeout=0.3, silence_timeout=5.0) as (group, fake):
+        e0, e1 = fake.engines
+        e1.ignore_start_dp_wave = True
+        async with group.submit(req("s", max_tokens=3, rank=0)) as stream:
+            # rank 0 woke itself; rank 1 drops the post-ADD START_DP_WAVE and the answer
+            # to rank 0's start_wave
+            await e1.wait_for(lambda: e1.dropped_starts >= 2)
+            e1.ignore_start_dp_wave = False
+            assert e0.engines_running and not e1.engines_running
+            assert group.statistics().ranks[0].load.waiting == 1
+            tokens = [t async for out in stream for t in out.body.token_ids]
+        assert tokens == [21, 22, 23]
+        stats = group.statistics()
+        assert stats.stall_wakes == 1 and stats.finished == 1
+        starts = e1.got("start_dp_wave")
+        assert e1.dropped_starts == 2 and starts[2] == [0, None]  # the stall WAKE
+        await group.wave.wait_value(lambda w: w >= 1)  # and it parks again, as one
+        await e1.wait_for(lambda: not e1.engines_running)
+        assert e0.current_wave == e1.current_wave
+
+
+async def test_garbage_output_messages_are_counted_not_fatal() -> None:
+    """A message on the output PULL that is not an EngineCoreOutputs names no rank (vLLM's
+    output socket carries no identity): counted and logged; nobody dies."""
+    async with vllm_group(2) as (group, fake):
+        async with group.submit(req("g", max_tokens=10**9, rank=0)) as stream:
+            await stream.receive()
+            for frames in ([b"\xc1garbage"], [b""], [b"\x93\x01\x02"], [outputs_message(7)]):
+                fake.engines[0].send_raw(frames)
+            while group.statistics().protocol_errors < 4:  # the stream keeps flowing
+                await stream.receive()
+            await group.abort("g")
+        stats = group.statistics()
+        assert stats.protocol_errors == 4
+        assert [group.rank_state(r).value for r in (0, 1)] == [RankState.UP, RankState.UP]
+        tokens, _ = await collect(group, req("after", rank=0))
+        assert tokens == [21, 22, 23, 24]
+
+
+async def test_a_malformed_entry_ends_only_its_request_and_aborts_it() -> None:
+    async with vllm_group(1) as (group, fake):
+        e = fake.engines[0]
+        async with (
+            group.submit(req("bad", max_tokens=10**9)) as bad,
+            group.submit(req("good", max_tokens=10**9)) as good,
+        ):
+            await bad.receive()
+            await good.receive()
+            entries = [
+                output_entry(bad.wire_id, "not a list", None),  # type: ignore[arg-type]
+                output_entry(good.wire_id, [7], None),
+            ]
+            e.send_raw([outputs_message(0, entries)])
+            with pytest.raises(ProtocolError, match="malformed entry"):
+                async for _ in bad:
+                    pass
+            # the good entry of that message was delivered, in order
+            seen: list[int] = []
+            while 7 not in seen:
+                seen += (await good.receive()).body.token_ids
+            # the engine is told to stop the request zmqdp ended
+            await e.wait_for(lambda: [bad.wire_id] in e.got("abort"))
+            await e.wait_for(lambda: bad.wire_id not in e.requests)
+            await group.abort("good")
+        stats = group.statistics()
+        assert stats.malformed_entries == 1 and stats.protocol_failed == 1
+        assert group.rank_state(0).value is RankState.UP
+
+
+async def test_parallel_config_hash_mismatch_names_the_rank() -> None:
+    """MoE: a READY whose parallel_config_hash differs from the expected one is rejected
+    (vLLM: "Configuration mismatch detected for engine N"); the rank stays down and the
+    handshake timeout names it and why."""
+    d = tempfile.mkdtemp(prefix="zv", dir="/tmp")
+    fake = FakeVllmGroup(f"ipc://{d}/hs", 2, moe=True)
+    fake.engines[1].config_hash = "other-hash"
+    try:
+        async with trio.open_nursery() as nursery:
+            for e in fake.engines:
+                nursery.start_soon(e.run)
+            with pytest.raises(HandshakeTimeout) as info:
+                async with VllmEngineGroup.connect(
+                    fake.url, 2, moe=True, ready_timeout=1.0, parallel_config_hash="fake-hash"
+                ):
+                    pass
+            nursery.cancel_scope.cancel()
+    finally:
+        fake.close()
+        shutil.rmtree(d, ignore_errors=True)
+    assert set(info.value.missing) == {1}
+    assert "parallel_config_hash 'other-hash' differs from 'fake-hash'" in info.value.missing[1]

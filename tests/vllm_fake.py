@@ -18,9 +18,18 @@ that gets an ADD wakes itself and reports `start_wave`, START_DP_WAVE wakes the 
 (stale waves and the excluded index ignored), and rank 0 reports its own
 paused->running edge.
 
+MoE ranks also publish their request counts to the coordinator before each step when
+they changed (vLLM's `_maybe_publish_request_counts`: a request is waiting until its
+first step), and a step's outputs go out after its collective (the forward pass is the
+collective), so a rank stuck in its collective says nothing more.
+
 Faults: `die()` sends ENGINE_CORE_DEAD and stops; `vanish()` closes every socket
 without a word; `freeze()` keeps the sockets but stops stepping (a silent engine);
-`no_ready=True` says HELLO and never READY.
+`no_ready=True` says HELLO and never READY; `config_hash` is the READY's
+`parallel_config_hash`; `ignore_start_dp_wave=True` drops START_DP_WAVEs (as a vLLM
+engine does once a pause reached consensus); `send_raw(frames)` puts any message on the
+output socket; `FakeVllmGroup.restart(rank)` makes a new incarnation of a rank (run it:
+it says HELLO again).
 
 Messages are handled at the top of each loop iteration, as vLLM's busy loop does; each
 socket is owned by one task (`zmqdp._zmq.ZSocket`).
@@ -90,10 +99,13 @@ class FakeVllmGroup:
         self.moe = moe
         self.sync_interval = sync_interval
         self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.tokens_per_step = tokens_per_step
+        self.step_delay = step_delay
         self.engines = [
             FakeVllmEngine(self, r, tokens_per_step=tokens_per_step, step_delay=step_delay)
             for r in range(size)
         ]
+        self.nursery: trio.Nursery | None = None  # set by the tests' fixture
         # the collective: a generation-counting barrier with a global OR
         self._arrived = 0
         self._any = False
@@ -116,6 +128,15 @@ class FakeVllmGroup:
             return self._result
         await self._released.wait()
         return self._result
+
+    def restart(self, rank: int) -> FakeVllmEngine:
+        """A new incarnation of `rank` (the old one should be gone: `vanish()`); it says
+        HELLO when run."""
+        engine = FakeVllmEngine(
+            self, rank, tokens_per_step=self.tokens_per_step, step_delay=self.step_delay
+        )
+        self.engines[rank] = engine
+        return engine
 
     def close(self) -> None:
         for e in self.engines:
@@ -145,6 +166,10 @@ class FakeVllmEngine:
         self.frozen = False
         self.dead = False
         self.stats_override: dict[str, Any] | None = None
+        self.config_hash = "fake-hash"
+        self.ignore_start_dp_wave = False
+        self.dropped_starts = 0
+        self._last_counts: tuple[int, int] | None = None
         # wave state (MoE)
         self.current_wave = 0
         self.engines_running = False
@@ -203,7 +228,7 @@ class FakeVllmEngine:
         if self.no_ready:
             await trio.sleep_forever()
         ready = {"status": "READY", "local": False, "headless": True}
-        ready["parallel_config_hash"] = "fake-hash"
+        ready["parallel_config_hash"] = self.config_hash
         await hs.send([enc(ready)])
         self.up.set()
         for zs in self.sockets:  # handed over to the tasks below, one owner each
@@ -242,6 +267,11 @@ class FakeVllmEngine:
     def got(self, kind: str) -> list[Any]:
         return [v for k, v in self.received if k == kind]
 
+    def send_raw(self, frames: list[bytes]) -> None:
+        """Put `frames` on the output socket (from the busy loop, its owner)."""
+        self.inbox.append(("raw", frames))
+        self.changed.set()
+
     async def _serve_input(self, zs: ZSocket) -> None:
         while True:
             for frames in await zs.receive_batch():
@@ -270,25 +300,31 @@ class FakeVllmEngine:
             while not self.inbox and (self.frozen or not self.has_work()):
                 self.changed = trio.Event()
                 await self.changed.wait()
-            replies = self._process_inbox(coord)
-            for r in replies:
-                await out.send([outputs_message(self.rank, utility=r)])
+            was_running = self.engines_running  # before the inbox, as vLLM's loop
+            for frames in self._process_inbox(coord):
+                await out.send(frames)
             if self.frozen or self.dead:
                 continue
-            was_running = self.engines_running
+            if moe:
+                await self._maybe_publish_request_counts(coord)
             outputs = self._step()
-            if outputs or self.requests:
-                await out.send([outputs_message(self.rank, outputs, self._stats())])
-            if self.step_delay:
-                await trio.sleep(self.step_delay)
             if not moe:
+                if outputs or self.requests:
+                    await out.send([outputs_message(self.rank, outputs, self._stats())])
+                if self.step_delay:
+                    await trio.sleep(self.step_delay)
                 await trio.lowlevel.checkpoint()
                 continue
+            if self.step_delay:
+                await trio.sleep(self.step_delay)
             local_unfinished = bool(self.requests)
             if not outputs and not local_unfinished and not self.engines_running:
                 continue
             self.step_counter += 1
             global_unfinished = await self.group.collective(local_unfinished)
+            if outputs or self.requests:  # the forward pass (a collective) is done
+                await out.send([outputs_message(self.rank, outputs, self._stats())])
+            await self._maybe_publish_request_counts(coord)
             sync = self.step_counter == 1 or self.step_counter % self.group.sync_interval == 0
             self.engines_running = global_unfinished if sync else True
             assert coord is not None
@@ -300,11 +336,25 @@ class FakeVllmEngine:
             elif not was_running and self.rank == 0:
                 await coord.send([outputs_message(0, start_wave=self.current_wave)])
 
-    def _process_inbox(self, coord: ZSocket | None) -> list[list[Any]]:
-        replies = []
+    async def _maybe_publish_request_counts(self, coord: ZSocket | None) -> None:
+        counts = self._counts()
+        if counts != self._last_counts and coord is not None:
+            self._last_counts = counts
+            await coord.send([outputs_message(self.rank, stats=self._stats())])
+
+    def _counts(self) -> tuple[int, int]:
+        waiting = sum(1 for st in self.requests.values() if not st["scheduled"])
+        return len(self.requests) - waiting, waiting
+
+    def _process_inbox(self, coord: ZSocket | None) -> list[list[bytes]]:
+        """Handle every queued message; returns the messages to send on the output
+        socket (utility replies, raw messages)."""
+        replies: list[list[bytes]] = []
         while self.inbox:
             kind, p = self.inbox.popleft()
-            if kind == "add":
+            if kind == "raw":
+                replies.append(p)
+            elif kind == "add":
                 self._add(p, coord)
             elif kind == "abort":
                 for rid in p:
@@ -315,10 +365,14 @@ class FakeVllmEngine:
                 if fn is None:
                     continue  # a method that never answers
                 try:
-                    replies.append([call_id, None, [None, fn(*args)]])
+                    reply = [call_id, None, [None, fn(*args)]]
                 except Exception as exc:
-                    replies.append([call_id, f"Call to {method} method failed: {exc}", None])
+                    reply = [call_id, f"Call to {method} method failed: {exc}", None]
+                replies.append([outputs_message(self.rank, utility=reply)])
             elif kind == "start_dp_wave":
+                if self.ignore_start_dp_wave:
+                    self.dropped_starts += 1
+                    continue
                 wave, exclude = p
                 if exclude != self.rank and wave >= self.current_wave:
                     self.current_wave = wave
@@ -334,6 +388,7 @@ class FakeVllmEngine:
             "left": sp.get("max_tokens", 16),
             "eos": sp.get("_eos_token_id"),
             "stops": set(sp.get("stop_token_ids", [])),
+            "scheduled": False,
         }
         if self.group.moe:
             wave = req[12]
@@ -347,6 +402,7 @@ class FakeVllmEngine:
     def _step(self) -> list[list[Any]]:
         outputs = []
         for rid, st in list(self.requests.items()):
+            st["scheduled"] = True
             tokens: list[int] = []
             finish = stop = None
             for _ in range(self.tokens_per_step):
@@ -370,9 +426,10 @@ class FakeVllmEngine:
     def _stats(self) -> dict[str, Any]:
         if self.stats_override is not None:
             return self.stats_override
+        running, waiting = self._counts()
         return {
-            "num_running_reqs": len(self.requests),
-            "num_waiting_reqs": 0,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
             "kv_cache_usage": 0.1,
             "step_counter": self.step_counter,
             "current_wave": self.current_wave,

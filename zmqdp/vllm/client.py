@@ -19,6 +19,9 @@ Only what vLLM's wire forces differs:
   rules (docs/protocol.md §5) go out as START_DP_WAVE(c, exclude=None) on the XPUB: the
   wave clock only follows what engines report (`wave_complete`, `start_wave`) and every
   `start_wave` is answered. ADDs carry `current_wave = c`.
+* A malformed output entry ends only its request (docs/protocol.md §7), and the client
+  also sends that request's ABORT: a vLLM engine would otherwise run it to `max_tokens`
+  with the slot zmqdp counts already free.
 * vLLM's death sentinel names no rank: it fails the whole group (as vLLM's frontend
   does). A rank that vanishes (a send fails) or is silent while holding requests is
   dead by itself: in a dense group only its requests fail with `EngineDead`.
@@ -46,6 +49,7 @@ from .._core.errors import (
     ProtocolError,
     quote,
 )
+from .._core.requests import Outcome
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE, check_timeout
 from ..client import EngineGroup, Request, _GroupListener
 from ..stream import RequestStream
@@ -224,6 +228,13 @@ class VllmEngineGroup(EngineGroup):
                 self._logs.log(logging.WARNING, "vllm-output", "%s", result.error)
             return
         self._carry_out_batch(rank, result, dirty)
+        fx = result.effects
+        if fx is not None and fx.ended:
+            # A malformed entry ended its request here (docs/protocol.md §7); the engine
+            # would run it on to max_tokens (zmqdp's slot is already free): stop it.
+            broken = tuple(e.wire_id for e in fx.ended if e.outcome is Outcome.PROTOCOL_ERROR)
+            if broken and self._core.is_up(rank):
+                self._transport.send(rank, self._core.encode_abort(broken))
 
     def _wake_all(self, wave: int, *, stall: bool = False) -> None:
         """zmqdp's WAKE(c) is the coordinator's START_DP_WAVE(c, exclude=None)."""
