@@ -335,6 +335,7 @@ class FakeVllmEngine:
                 self.step_counter = 0
             elif not was_running and self.rank == 0:
                 await coord.send([outputs_message(0, start_wave=self.current_wave)])
+            self._seen.set()  # `wait_for` re-checks after every step (a park, say)
 
     async def _maybe_publish_request_counts(self, coord: ZSocket | None) -> None:
         counts = self._counts()
