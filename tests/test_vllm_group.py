@@ -338,8 +338,9 @@ async def test_moe_stalled_rank_gets_a_stall_start_dp_wave() -> None:
             # to rank 0's start_wave
             await e1.wait_for(lambda: e1.dropped_starts >= 2)
             e1.ignore_start_dp_wave = False
+            # (rank 0's report of its waiting request may still be on its way: the stall
+            # check below needs it, so the stall WAKE proves it arrived)
             assert e0.engines_running and not e1.engines_running
-            assert group.statistics().ranks[0].load.waiting == 1
             tokens = [t async for out in stream for t in out.body.token_ids]
         assert tokens == [21, 22, 23]
         stats = group.statistics()
