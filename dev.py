@@ -41,7 +41,7 @@ def ensure_venv() -> None:
         print(f"+ creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
     _run(PY, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
-    _run(PY, "-m", "pip", "install", "--quiet", "-e", ".[test,dev,demo,bench,gateway]")
+    _run(PY, "-m", "pip", "install", "--quiet", "-e", ".[test,dev,demo,bench,gateway,vllm]")
     STAMP.write_text(want)
 
 
