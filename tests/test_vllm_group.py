@@ -127,6 +127,33 @@ async def test_bad_sampling_params_are_refused_at_submit() -> None:
         assert group.statistics().rolled_back == 2 and fake.engines[0].got("add") == []
 
 
+async def test_requests_are_fitted_to_the_model_length_as_vllm_does() -> None:
+    """max_tokens=None is "up to max_model_len" (the engine itself would fail on None);
+    a prompt that leaves no room for one token is refused at submit, naming the limit."""
+    async with vllm_group(1) as (group, fake):
+        assert group.engines[0].info["max_model_len"] == 4096
+        r = req("open", sampling=SamplingParams(max_tokens=None, stop_token_ids=[22]))
+        tokens, _ = await collect(group, r)
+        assert tokens == [21, 22]
+        [add] = fake.engines[0].got("add")
+        assert add[3]["max_tokens"] == 4096 - 2
+        with pytest.raises(InvalidRequest, match="4096 tokens; the engines' max_model_len is 4096"):
+            group.submit(req("long", prompt=[1] * 4096))
+        assert len(fake.engines[0].got("add")) == 1
+
+
+async def test_a_wave_past_the_wire_range_kills_its_rank_not_the_clock() -> None:
+    """A start_wave of 2**64-1 would become the clock and every WAKE (and overflow the
+    engines' wave counters): the message is a connection error of its rank."""
+    async with vllm_group(2, silence_timeout=5.0) as (group, fake):
+        fake.engines[1].send_raw([outputs_message(1, start_wave=2**64 - 1)])
+        await group.rank_state(1).wait_value(lambda s: s is not RankState.UP)
+        stats = group.statistics()
+        assert group.wave.value != 2**64 - 1 and stats.protocol_errors == 1
+        tokens, _ = await collect(group, req("after", rank=0))
+        assert tokens == [21, 22, 23, 24]
+
+
 async def test_abort_reaches_the_engine_and_ends_the_stream() -> None:
     async with vllm_group(2) as (group, fake):
         async with group.submit(req("long", max_tokens=10**9, rank=0)) as stream:

@@ -276,6 +276,36 @@ def test_decode_outputs_never_crashes(body: bytes) -> None:
         decode_outputs([body])
 
 
+def _bad_utf8_id(rid: bytes) -> bytes:
+    """An output entry whose request id is a msgpack str that is not UTF-8."""
+    good = msgspec.msgpack.encode(entry("X" * len(rid), [1]))
+    return good.replace(b"X" * len(rid), rid, 1)
+
+
+def test_deep_nesting_is_a_protocol_error_not_a_crash() -> None:
+    deep = entry("a", [1])
+    deep[3] = "NEST"  # a field typed Any (new_logprobs), replaced by 5000 nested arrays
+    body = outputs_body(0, [deep]).replace(b"\xa4NEST", b"\x91" * 5000 + b"\x00", 1)
+    with pytest.raises(ProtocolError, match="not an EngineCoreOutputs"):
+        decode_outputs([body])
+
+
+def test_an_entry_whose_id_is_not_utf8_spares_the_other_entries() -> None:
+    """msgspec refuses the whole message: each entry is read alone, so the finish of
+    request "ok" in the same message still counts, and the unreadable one names nothing."""
+    good = msgspec.msgpack.encode(entry("ok", [1], 0))
+    raw_outputs = b"\x92" + good + _bad_utf8_id(b"\xff\xfe")
+    body = outputs_body(0, []).replace(b"\x90", raw_outputs, 1)
+    batch = decode_outputs([body])
+    assert batch.rank == 0 and [o.request_id for o in batch.outputs] == ["ok"]
+    assert [(b.key, b.id) for b in batch.bad_entries] == [("outputs", None)]
+
+
+def test_a_negative_engine_index_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="negative"):
+        decode_outputs([outputs_body(-1, [entry("a", [1])])])
+
+
 def wire_map(params: SamplingParams, eos: int | None) -> dict[str, Any]:
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(sampling_map(params, eos)))
     assert isinstance(decoded, dict)

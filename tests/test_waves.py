@@ -81,3 +81,12 @@ def test_exhaustive_search_finds_no_stuck_state(cfg: Config) -> None:
     result = search(cfg)
     assert result.problem is None, (result.problem, result.counterexample)
     assert result.states > 20  # the search really explored something
+
+
+def test_the_clock_never_goes_past_what_the_wire_carries() -> None:
+    """A start_wave or wave_complete past 2**63-1 (a hostile peer) never makes the clock,
+    and so no WAKE, carry a wave the wire cannot encode (docs/protocol.md §1)."""
+    clock = WaveClock()
+    assert clock.start_wave(2**64 - 1) == 2**63 - 1
+    clock.wave_complete(2**64)
+    assert clock.wake_after_adds() == 2**63 - 1

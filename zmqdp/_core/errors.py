@@ -181,7 +181,8 @@ class RequestTimeout(ZmqdpError, TimeoutError):
 
 
 class HandshakeTimeout(ZmqdpError, TimeoutError):
-    """The group was not ready in time; names every missing rank and every rejected HELLO."""
+    """The group was not ready in time; names every missing rank and every rejected
+    handshake message."""
 
     def __init__(self, missing: dict[int, str], rejected: list[str], timeout: float):
         self.missing = dict(missing)
@@ -189,7 +190,7 @@ class HandshakeTimeout(ZmqdpError, TimeoutError):
         self.timeout = timeout
         lines = [f"engine group not ready after {timeout:g} s"]
         lines += [f"  rank {r}: {why}" for r, why in sorted(self.missing.items())]
-        lines += [f"  rejected HELLO: {why}" for why in self.rejected]
+        lines += [f"  rejected handshake: {why}" for why in self.rejected]
         super().__init__("\n".join(lines))
 
 

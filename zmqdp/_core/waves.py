@@ -32,7 +32,9 @@ from __future__ import annotations
 
 __all__ = ["WaveClock"]
 
-_WAVE_MAX = 2**63 - 1
+WAVE_MAX = 2**63 - 1
+"""The largest wave the wire carries (docs/protocol.md §1)."""
+_WAVE_MAX = WAVE_MAX
 
 
 class WaveClock:
@@ -66,7 +68,7 @@ class WaveClock:
         """A parked rank got work at `wave`. Returns the wave to WAKE every rank with."""
         self.starts += 1
         if wave > self._wave:
-            self._wave = wave
+            self._wave = min(wave, _WAVE_MAX)
         self.wakes += 1
         return self._wave
 

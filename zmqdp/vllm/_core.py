@@ -21,7 +21,7 @@ from typing import Any
 
 from .._core.errors import ProtocolError
 from .._core.state import BatchRest, BatchResult, GroupCore
-from .._core.waves import WaveClock
+from .._core.waves import WAVE_MAX, WaveClock
 from ._wire import ENGINE_CORE_DEAD, decode_outputs, encode_abort, encode_add, sampling_map
 
 __all__ = ["VllmCore", "request_wave", "start_dp_wave"]
@@ -95,7 +95,7 @@ class VllmCore(GroupCore[Any]):
             self.counters.protocol_errors += 1
             return None, BatchResult(error=exc)
         rank = batch.rank
-        if rank >= self.size:
+        if rank >= self.size or rank < 0:
             self.counters.protocol_errors += 1
             return None, BatchResult(
                 error=ProtocolError(f"outputs of engine_index {rank}, outside the group")
@@ -104,4 +104,14 @@ class VllmCore(GroupCore[Any]):
         if not self.is_up(rank):
             self.counters.stale_messages += 1
             return rank, BatchResult()
+        for name, wave in (
+            ("wave_complete", batch.wave_complete),
+            ("start_wave", batch.start_wave),
+        ):
+            if wave is not None and not 0 <= wave <= WAVE_MAX:
+                # A wave the clock would adopt and WAKE everyone with, past what the wire
+                # can carry (docs/protocol.md §1): the message is invalid, as natively.
+                return rank, self._connection_error(
+                    rank, ProtocolError(f"{name} {wave} is outside 0..2**63-1")
+                )
         return rank, self._apply(rank, health, batch, BatchRest(rank, health), now)

@@ -110,9 +110,18 @@ class VllmHandshake:
             if self.config_hash is None and type(h) is str:
                 self.config_hash = h
             if h != self.config_hash:
+                if self.expected_hash is not None:
+                    whose = "the parallel_config_hash given to connect()"
+                else:
+                    agreed = [i for i, o in enumerate(self.ranks) if o.ready is not None]
+                    whose = (
+                        f"the hash of rank(s) {agreed}, the first seen (pass "
+                        "parallel_config_hash= to name the right one)"
+                    )
                 why = (
                     f"rank {rank}: READY parallel_config_hash {quote(h)} differs from "
-                    f"{quote(self.config_hash)}: the MoE ranks' parallel configs differ"
+                    f"{quote(self.config_hash)}, {whose}: the MoE ranks' parallel configs "
+                    "differ"
                 )
                 self._reject(why)
                 r.rejected = why

@@ -486,13 +486,23 @@ def decode_outputs(frames: Sequence[bytes]) -> OutputBatch:
     back in `bad_entries`."""
     if not frames:
         raise ProtocolError("an empty message")
-    body = frames[0]
+    try:
+        return _decode_outputs(frames[0])
+    except ProtocolError:
+        raise
+    except Exception as exc:  # RecursionError (deep nesting), anything msgspec raises
+        raise ProtocolError(f"not an EngineCoreOutputs: {type(exc).__name__}: {exc}") from None
+
+
+def _decode_outputs(body: bytes) -> OutputBatch:
     try:
         m = _outputs_decoder.decode(body)
-    except msgspec.ValidationError:
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        # A malformed entry, or one that is not even msgpack-valid inside (a request id
+        # that is not UTF-8): each entry alone, so the others of the message still count.
         return _decode_loose(body)
-    except (msgspec.DecodeError, ValueError) as exc:
-        raise ProtocolError(f"not an EngineCoreOutputs: {exc}") from None
+    if m.engine_index < 0:
+        raise ProtocolError(f"engine_index {m.engine_index} is negative")
     bad: list[BadEntry] = []
     outputs = _converted(m.engine_index, m.outputs, bad) if m.outputs else ()
     u = m.utility_output
@@ -520,8 +530,11 @@ def _decode_loose(body: bytes) -> OutputBatch:
     for raw in m.outputs:
         try:
             good.append(_out_decoder.decode(raw))
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            entry = _any_decoder.decode(raw)
+        except Exception as exc:
+            try:
+                entry = _any_decoder.decode(raw)
+            except Exception:  # not even its request id is readable: names nothing
+                entry = None
             rid = entry[0] if type(entry) is list and entry and type(entry[0]) is str else None
             bad.append(BadEntry("outputs", rid, str(exc)))
     replies: tuple[Reply, ...] = ()

@@ -29,6 +29,7 @@ Only what vLLM's wire forces differs:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -178,9 +179,40 @@ class VllmEngineGroup(EngineGroup):
         vLLM would refuse, or prompt token ids that are not ints >= 0."""
         if not isinstance(request, VllmRequest):
             raise InvalidRequest(quote(request), "submit takes a VllmRequest")
+        request = self._fit_to_model(request)
         return super().submit(
             Request(request.id, (request, time.time()), request.rank, request.timeout)
         )
+
+    def _max_model_len(self) -> int | None:
+        """The smallest `max_model_len` the ranks' ready responses announce, if any."""
+        lengths = [
+            e.info.get("max_model_len")
+            for e in self.engines
+            if isinstance(e.info, Mapping) and type(e.info.get("max_model_len")) is int
+        ]
+        return min(lengths) if lengths else None  # type: ignore[type-var]
+
+    def _fit_to_model(self, request: VllmRequest) -> VllmRequest:
+        """What vLLM's frontend does before it sends: a prompt must leave room for one
+        output token, and `max_tokens=None` means "up to the model's length" (the engine
+        compares with `max_tokens` at every step: None would kill it)."""
+        limit = self._max_model_len()
+        prompt = len(request.prompt_token_ids)
+        if limit is not None and prompt >= limit:
+            raise InvalidRequest(
+                quote(request.id),
+                f"the prompt has {prompt} tokens; the engines' max_model_len is {limit}",
+            )
+        if request.sampling.max_tokens is not None:
+            return request
+        if limit is None:
+            raise InvalidRequest(
+                quote(request.id),
+                "max_tokens=None needs the engines' max_model_len (not in their READY)",
+            )
+        sampling = dataclasses.replace(request.sampling, max_tokens=limit - prompt)
+        return dataclasses.replace(request, sampling=sampling)
 
     async def wait_submit(self, request: VllmRequest) -> RequestStream:  # type: ignore[override]
         return await super().wait_submit(request)  # type: ignore[arg-type]
