@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -167,7 +168,7 @@ class FakeVllmEngine:
         self.dead = False
         self.stats_override: dict[str, Any] | None = None
         self.config_hash = "fake-hash"
-        self.ignore_start_dp_wave = False
+        self.ignore_start_dp_wave: bool | Callable[[], bool] = False
         self.dropped_starts = 0
         self._last_counts: tuple[int, int] | None = None
         # wave state (MoE)
@@ -371,7 +372,8 @@ class FakeVllmEngine:
                     reply = [call_id, f"Call to {method} method failed: {exc}", None]
                 replies.append([outputs_message(self.rank, utility=reply)])
             elif kind == "start_dp_wave":
-                if self.ignore_start_dp_wave:
+                ignore = self.ignore_start_dp_wave
+                if ignore() if callable(ignore) else ignore:
                     self.dropped_starts += 1
                     continue
                 wave, exclude = p

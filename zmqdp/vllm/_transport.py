@@ -38,8 +38,10 @@ from typing import Any
 import trio
 import zmq
 
+from .._addresses import is_loopback
 from .._core.errors import HandshakeTimeout, ProtocolError
 from .._core.outbox import Outbox
+from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from .._transport import CLOSE_LINGER, TransportListener, TransportStatistics
 from .._util import LogLimiter, open_service_nursery
 from .._zmq import ZSocket, is_unreachable
@@ -96,7 +98,19 @@ class VllmTransport:
         parallel_config_hash: str | None = None,
         send_timeout: float = 10.0,
         listener: TransportListener | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        insecure: bool = False,
     ) -> None:
+        if url.startswith("tcp://") and not insecure:
+            host = url[len("tcp://") :].rpartition(":")[0]
+            if not is_loopback(host):
+                raise ValueError(
+                    f"group URL {url!r} can be reached from other machines, and vLLM's "
+                    "engine-core protocol has no authentication: anyone who connects can "
+                    "claim a rank, read its requests and inject outputs. Pass "
+                    "insecure=True if the network is trusted (as vLLM assumes)"
+                )
+        self.max_message_size = max_message_size
         self.size = size
         self.lockstep = lockstep
         self.listener = listener or TransportListener()
@@ -165,6 +179,9 @@ class VllmTransport:
             sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, duplicates too
         if kind in (zmq.PULL, zmq.ROUTER):
             sock.setsockopt(zmq.RCVHWM, 0)  # as vLLM: engines never block on us
+            # A frame past it drops the peer's connection (libzmq): one engine cannot
+            # make the client hold an arbitrarily large message.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
         sock.bind(address)
         return zs
 
@@ -399,6 +416,8 @@ async def open_vllm_transport(
     parallel_config_hash: str | None = None,
     send_timeout: float = 10.0,
     listener: TransportListener | None = None,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    insecure: bool = False,
 ) -> AsyncIterator[VllmTransport]:
     """Bind, serve the handshake, wait for all `engines` ranks (`HandshakeTimeout`
     naming each missing rank and why), yield; leaving closes everything."""
@@ -411,6 +430,8 @@ async def open_vllm_transport(
         parallel_config_hash=parallel_config_hash,
         send_timeout=send_timeout,
         listener=listener,
+        max_message_size=max_message_size,
+        insecure=insecure,
     )
     try:
         async with open_service_nursery() as nursery:

@@ -115,6 +115,8 @@ class VllmEngineGroup(EngineGroup):
         max_buffered: int | None = None,
         max_inflight: int | Literal["info"] | None = None,
         request_timeout: float | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        insecure: bool = False,
     ) -> AsyncIterator[VllmEngineGroup]:
         """Bind the handshake ROUTER at `url` (``tcp://HOST:PORT``: the
         ``--data-parallel-address``/``--data-parallel-rpc-port`` the headless engines
@@ -131,7 +133,11 @@ class VllmEngineGroup(EngineGroup):
         one expected).
 
         `max_inflight="info"` caps each rank at the `max_num_seqs` of its ready
-        response. Raises `HandshakeTimeout` naming each missing rank and what it lacks.
+        response. `max_message_size` bounds every frame the client receives (a larger
+        one drops that engine's connection). vLLM's wire has no authentication, so a
+        tcp URL other machines can reach needs `insecure=True` (a trusted network).
+        Raises `HandshakeTimeout` naming each missing rank and what it lacks,
+        `ValueError` for such a URL without `insecure=True`.
         Other arguments as `zmqdp.EngineGroup.connect`.
         """
         if request_timeout is not None:
@@ -147,6 +153,8 @@ class VllmEngineGroup(EngineGroup):
             parallel_config_hash=parallel_config_hash,
             send_timeout=send_timeout,
             listener=listener,
+            max_message_size=max_message_size,
+            insecure=insecure,
         ) as transport:
             core = VllmCore(
                 engines,
@@ -158,7 +166,7 @@ class VllmEngineGroup(EngineGroup):
                 transport,
                 core,
                 max_buffered,
-                DEFAULT_MAX_MESSAGE_SIZE,
+                max_message_size,
                 max_inflight,
                 request_timeout,
             )
