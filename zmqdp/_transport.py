@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -109,6 +109,37 @@ CLOSE_LINGER = 0.5
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 """Where libzmq looks for the ZAP handler of a context (RFC 27)."""
+
+
+def flush_outbox(
+    zs: ZSocket,
+    outbox: Outbox[list[bytes]],
+    now: float,
+    send_failed: Callable[[int, str], None],
+) -> bool:
+    """Send what each rank of `outbox` that is not blocked has queued on the ROUTER
+    `zs`, in order, until its pipe is full (then it is retried on the outbox's timer).
+    A rank whose send fails loses its queue and is reported to `send_failed`. Returns
+    whether anything was sent. For the socket's owner task only."""
+    sent = False
+    for rank in outbox.sendable(now):
+        while (frames := outbox.head(rank)) is not None:
+            try:
+                if not zs.send_nowait(frames):
+                    outbox.blocked(rank, now)
+                    break
+            except zmq.ZMQError as exc:
+                outbox.drop(rank)
+                send_failed(
+                    rank,
+                    "not connected to the input socket (EHOSTUNREACH)"
+                    if is_unreachable(exc)
+                    else f"send failed: {exc}",
+                )
+                break
+            outbox.sent(rank)
+            sent = True
+    return sent
 
 
 class CurveServer(Protocol):
@@ -501,29 +532,7 @@ class GroupTransport:
                 await zs.wait_readable_or_kicked()
 
     def _flush_input(self, now: float) -> bool:
-        """Send what each rank that is not blocked has queued, in order, until its pipe
-        is full. Returns whether anything was sent."""
-        zs = self.input
-        outbox = self.outbox
-        sent = False
-        for rank in outbox.sendable(now):
-            while (frames := outbox.head(rank)) is not None:
-                try:
-                    if not zs.send_nowait(frames):
-                        outbox.blocked(rank, now)
-                        break
-                except zmq.ZMQError as exc:
-                    outbox.drop(rank)
-                    self._send_failed(
-                        rank,
-                        "not connected to the input socket (EHOSTUNREACH)"
-                        if is_unreachable(exc)
-                        else f"send failed: {exc}",
-                    )
-                    break
-                outbox.sent(rank)
-                sent = True
-        return sent
+        return flush_outbox(self.input, self.outbox, now, self._send_failed)
 
     def _send_failed(self, rank: int, cause: str) -> None:
         log.warning("rank %d: %s", rank, cause)

@@ -61,7 +61,7 @@ import collections
 import enum
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar, cast
@@ -584,6 +584,22 @@ class EngineGroup(metaclass=NoPublicConstructor):
         self._abort(request_id, None)
         await trio.lowlevel.checkpoint()
 
+    def _encode_call(
+        self, rank: int, call_id: int, method: str, args: tuple[Any, ...]
+    ) -> Sequence[bytes]:
+        """The CALL's frames (a wire dialect overrides this); `InvalidRequest` if it
+        has no wire form or is larger than the rank accepts."""
+        try:
+            frames = encode_request(Call(call_id, method, args))
+        except ProtocolError as exc:
+            raise InvalidRequest(f"CALL {method}", exc.cause) from None
+        limit = self._core.health[rank].max_message_size
+        if len(frames[0]) + len(frames[1]) > limit:
+            raise InvalidRequest(
+                f"CALL {method}", f"larger than rank {rank} accepts ({limit} bytes)"
+            )
+        return frames
+
     async def call(self, rank: int, method: str, *args: Any, timeout: float = 10.0) -> Any:  # noqa: ASYNC109
         """Run a utility method on one rank and return its result.
 
@@ -606,15 +622,7 @@ class EngineGroup(metaclass=NoPublicConstructor):
             raise EngineDead(rank, f"CALL {method!r}: the rank is not up")
         call_id, pending = self._calls.open(rank, method)
         try:
-            try:
-                frames = encode_request(Call(call_id, method, tuple(args)))
-            except ProtocolError as exc:
-                raise InvalidRequest(f"CALL {method}", exc.cause) from None
-            limit = self._core.health[rank].max_message_size
-            if len(frames[0]) + len(frames[1]) > limit:
-                raise InvalidRequest(
-                    f"CALL {method}", f"larger than rank {rank} accepts ({limit} bytes)"
-                )
+            frames = self._encode_call(rank, call_id, method, args)
             self._transport.send(rank, frames)
             with trio.move_on_after(timeout):
                 await pending.done.wait()

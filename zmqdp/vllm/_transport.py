@@ -42,9 +42,9 @@ from .._addresses import is_loopback
 from .._core.errors import HandshakeTimeout, ProtocolError
 from .._core.outbox import Outbox
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
-from .._transport import CLOSE_LINGER, TransportListener, TransportStatistics
+from .._transport import CLOSE_LINGER, TransportListener, TransportStatistics, flush_outbox
 from .._util import LogLimiter, open_service_nursery
-from .._zmq import ZSocket, is_unreachable
+from .._zmq import ZSocket
 from ._handshake import VllmHandshake
 from ._wire import (
     COORDINATOR_READY,
@@ -295,27 +295,7 @@ class VllmTransport:
                 await zs.wait_readable_or_kicked()
 
     def _flush_input(self, now: float) -> bool:
-        zs = self.input
-        outbox = self.outbox
-        sent = False
-        for rank in outbox.sendable(now):
-            while (frames := outbox.head(rank)) is not None:
-                try:
-                    if not zs.send_nowait(frames):
-                        outbox.blocked(rank, now)
-                        break
-                except zmq.ZMQError as exc:
-                    outbox.drop(rank)
-                    self._send_failed(
-                        rank,
-                        "not connected to the input socket (EHOSTUNREACH)"
-                        if is_unreachable(exc)
-                        else f"send failed: {exc}",
-                    )
-                    break
-                outbox.sent(rank)
-                sent = True
-        return sent
+        return flush_outbox(self.input, self.outbox, now, self._send_failed)
 
     def _send_failed(self, rank: int, cause: str) -> None:
         log.warning("rank %d: %s", rank, cause)

@@ -42,10 +42,6 @@ import trio
 
 from .._calls import PendingCall, PendingCalls
 from .._core.errors import (
-    CallTimeout,
-    EngineDead,
-    GroupClosed,
-    InvalidRank,
     InvalidRequest,
     ProtocolError,
     quote,
@@ -225,36 +221,14 @@ class VllmEngineGroup(EngineGroup):
     async def wait_submit(self, request: VllmRequest) -> RequestStream:  # type: ignore[override]
         return await super().wait_submit(request)  # type: ignore[arg-type]
 
-    async def call(self, rank: int, method: str, *args: Any, timeout: float = 10.0) -> Any:  # noqa: ASYNC109
-        """Run an engine-core utility method (vLLM's `call_utility`) on one rank and
-        return its result. Raises `CallTimeout`, `CallFailed` (with the engine's
-        failure message), `EngineDead`, `GroupClosed` or `InvalidRequest`.
-
-        Cancellation: the reply, if it comes later, is dropped."""
-        if type(rank) is not int or not 0 <= rank < self.size:
-            raise InvalidRank(rank, self.size, None, "a utility call needs an int rank")
-        if type(method) is not str:
-            raise InvalidRequest(quote(method), "the utility method must be a str")
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0, got {timeout}")
-        if self._core.closed is not None:
-            raise GroupClosed(self._core.closed.cause)
-        if not self._core.is_up(rank):
-            raise EngineDead(rank, f"utility {method!r}: the rank is not up")
-        call_id, pending = self._calls.open(rank, method)
+    def _encode_call(
+        self, rank: int, call_id: int, method: str, args: tuple[Any, ...]
+    ) -> Sequence[bytes]:
+        """A UTILITY request (vLLM's `call_utility`; `call()` is `EngineGroup.call`)."""
         try:
-            try:
-                frames = encode_utility(call_id, method, args)
-            except ProtocolError as exc:
-                raise InvalidRequest(f"utility {method}", exc.cause) from None
-            self._transport.send(rank, frames)
-            with trio.move_on_after(timeout):
-                await pending.done.wait()
-        finally:
-            self._calls.forget(call_id)
-        if not pending.done.is_set():
-            raise CallTimeout(rank, method, timeout)
-        return pending.result()
+            return encode_utility(call_id, method, args)
+        except ProtocolError as exc:
+            raise InvalidRequest(f"utility {method}", exc.cause) from None
 
     def _take(self, frames: list[bytes], dirty: set[RequestStream]) -> None:
         """One message from the output PULL (no routing identity: the rank is the
