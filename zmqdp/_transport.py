@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -109,37 +109,6 @@ CLOSE_LINGER = 0.5
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 """Where libzmq looks for the ZAP handler of a context (RFC 27)."""
-
-
-def flush_outbox(
-    zs: ZSocket,
-    outbox: Outbox[list[bytes]],
-    now: float,
-    send_failed: Callable[[int, str], None],
-) -> bool:
-    """Send what each rank of `outbox` that is not blocked has queued on the ROUTER
-    `zs`, in order, until its pipe is full (then it is retried on the outbox's timer).
-    A rank whose send fails loses its queue and is reported to `send_failed`. Returns
-    whether anything was sent. For the socket's owner task only."""
-    sent = False
-    for rank in outbox.sendable(now):
-        while (frames := outbox.head(rank)) is not None:
-            try:
-                if not zs.send_nowait(frames):
-                    outbox.blocked(rank, now)
-                    break
-            except zmq.ZMQError as exc:
-                outbox.drop(rank)
-                send_failed(
-                    rank,
-                    "not connected to the input socket (EHOSTUNREACH)"
-                    if is_unreachable(exc)
-                    else f"send failed: {exc}",
-                )
-                break
-            outbox.sent(rank)
-            sent = True
-    return sent
 
 
 class CurveServer(Protocol):
@@ -208,7 +177,79 @@ class TransportStatistics:
     """CURVE: messages dropped because their routing id was not their key's rank."""
 
 
-class GroupTransport:
+class InputOwner:
+    """The owner task of a group's input ROUTER, shared by the native and the vLLM
+    transports: it sends what other tasks queued in the per-rank `outbox` (until a
+    rank's pipe is full; that rank is retried on the outbox's timer and dropped after
+    `send_timeout`), and hands what arrives to `_on_input_message`. It parks until a
+    message arrives, another task queues one for a rank that is not blocked, or a
+    blocked rank's retry is due; it never spins on a full rank, and a peer that floods
+    the socket makes it yield once per batch."""
+
+    input: ZSocket
+    outbox: Outbox[list[bytes]]
+    listener: TransportListener
+    send_timeout: float
+    _input_rounds: int
+
+    def _on_input_message(self, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    async def serve_input(self) -> None:
+        """Own the input ROUTER (class docstring), forever."""
+        zs = self.input
+        outbox = self.outbox
+        while True:
+            self._input_rounds += 1
+            now = trio.current_time()
+            sent_any = self._flush_input(now)
+            received = zs.receive_nowait()
+            for frames in received:
+                self._on_input_message(frames)
+            for rank in outbox.overdue(now):
+                outbox.drop(rank)
+                self._send_failed(
+                    rank, f"its input pipe stayed full for {self.send_timeout:g} s (send timeout)"
+                )
+            if sent_any:
+                self.listener.flushed()
+            if sent_any or received:
+                await trio.lowlevel.checkpoint()
+                continue
+            with trio.move_on_at(outbox.next_retry()):
+                await zs.wait_readable_or_kicked()
+
+    def _flush_input(self, now: float) -> bool:
+        """Send what each rank that is not blocked has queued, in order, until its pipe
+        is full. Returns whether anything was sent."""
+        zs = self.input
+        outbox = self.outbox
+        sent = False
+        for rank in outbox.sendable(now):
+            while (frames := outbox.head(rank)) is not None:
+                try:
+                    if not zs.send_nowait(frames):
+                        outbox.blocked(rank, now)
+                        break
+                except zmq.ZMQError as exc:
+                    outbox.drop(rank)
+                    self._send_failed(
+                        rank,
+                        "not connected to the input socket (EHOSTUNREACH)"
+                        if is_unreachable(exc)
+                        else f"send failed: {exc}",
+                    )
+                    break
+                outbox.sent(rank)
+                sent = True
+        return sent
+
+    def _send_failed(self, rank: int, cause: str) -> None:
+        log.warning("rank %d: %s", rank, cause)
+        self.listener.send_failed(rank, cause)
+
+
+class GroupTransport(InputOwner):
     """Bound client sockets of one group. Use `open_group_transport`."""
 
     def __init__(
@@ -503,40 +544,6 @@ class GroupTransport:
         self.listener.rank_up(rank)
         self.ranks_changed.set()
         self.ranks_changed = trio.Event()
-
-    async def serve_input(self) -> None:
-        """Own the input ROUTER: send queued messages, receive REGISTERs, forever.
-
-        It parks until a message arrives, another task queues one for a rank that is not
-        blocked, or a blocked rank's retry is due; it never spins on a full rank."""
-        zs = self.input
-        outbox = self.outbox
-        while True:
-            self._input_rounds += 1
-            now = trio.current_time()
-            sent_any = self._flush_input(now)
-            received = zs.receive_nowait()
-            for frames in received:
-                self._on_input_message(frames)
-            for rank in outbox.overdue(now):
-                outbox.drop(rank)
-                self._send_failed(
-                    rank, f"its input pipe stayed full for {self.send_timeout:g} s (send timeout)"
-                )
-            if sent_any:
-                self.listener.flushed()
-            if sent_any or received:  # a peer that floods the input socket yields per batch
-                await trio.lowlevel.checkpoint()
-                continue
-            with trio.move_on_at(outbox.next_retry()):
-                await zs.wait_readable_or_kicked()
-
-    def _flush_input(self, now: float) -> bool:
-        return flush_outbox(self.input, self.outbox, now, self._send_failed)
-
-    def _send_failed(self, rank: int, cause: str) -> None:
-        log.warning("rank %d: %s", rank, cause)
-        self.listener.send_failed(rank, cause)
 
     def _on_input_message(self, frames: list[bytes]) -> None:
         if len(frames) == 2:

@@ -42,7 +42,7 @@ from .._addresses import is_loopback
 from .._core.errors import HandshakeTimeout, ProtocolError
 from .._core.outbox import Outbox
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
-from .._transport import CLOSE_LINGER, TransportListener, TransportStatistics, flush_outbox
+from .._transport import CLOSE_LINGER, InputOwner, TransportListener, TransportStatistics
 from .._util import LogLimiter, open_service_nursery
 from .._zmq import ZSocket
 from ._handshake import VllmHandshake
@@ -84,7 +84,7 @@ def _sibling(url: str, name: str) -> str:
     raise ValueError(f"a vLLM handshake URL is tcp://HOST:PORT or ipc://PATH, got {url!r}")
 
 
-class VllmTransport:
+class VllmTransport(InputOwner):
     """Bound frontend sockets for one vLLM engine group. Use `open_vllm_transport`."""
 
     def __init__(
@@ -272,36 +272,8 @@ class VllmTransport:
         self.ranks_changed.set()
         self.ranks_changed = trio.Event()
 
-    async def serve_input(self) -> None:
-        """Own the input ROUTER: send queued messages, receive ready responses."""
-        zs = self.input
-        outbox = self.outbox
-        while True:
-            self._input_rounds += 1
-            now = trio.current_time()
-            sent_any = self._flush_input(now)
-            received = zs.receive_nowait()
-            for frames in received:
-                self._on_input(frames)
-            for rank in outbox.overdue(now):
-                outbox.drop(rank)
-                self._send_failed(rank, f"its input pipe stayed full for {self.send_timeout:g} s")
-            if sent_any:
-                self.listener.flushed()
-            if sent_any or received:
-                await trio.lowlevel.checkpoint()
-                continue
-            with trio.move_on_at(outbox.next_retry()):
-                await zs.wait_readable_or_kicked()
-
-    def _flush_input(self, now: float) -> bool:
-        return flush_outbox(self.input, self.outbox, now, self._send_failed)
-
-    def _send_failed(self, rank: int, cause: str) -> None:
-        log.warning("rank %d: %s", rank, cause)
-        self.listener.send_failed(rank, cause)
-
-    def _on_input(self, frames: list[bytes]) -> None:
+    def _on_input_message(self, frames: list[bytes]) -> None:
+        """The engines' ready responses (`InputOwner`)."""
         if len(frames) == 2:
             try:
                 info = decode_ready_response(frames[1])
