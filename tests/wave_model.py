@@ -62,7 +62,46 @@ class Rank:
         return (self.wave, self.running, tuple(sorted(self.work.items())), self.counter)
 
 
-class World:
+class Checks:
+    """What `explore` asks of a model state, shared by `World` and the vLLM model
+    (tests/vllm_wave_model.py): apply an action, and say what is wrong at a dead end."""
+
+    cfg: Any
+    ranks: list[Any]
+    done: set[int]
+
+    def group_step(self) -> None:
+        raise NotImplementedError
+
+    def client_state(self) -> str:
+        raise NotImplementedError
+
+    def apply(self, action: tuple[str, int]) -> None:
+        name, arg = action
+        if name == "group_step":
+            self.group_step()
+        else:
+            getattr(self, name)(arg)
+
+    def stuck(self) -> str | None:
+        """At a state where nothing more can happen: what is wrong, if anything."""
+        running = [i for i, r in enumerate(self.ranks) if r.running]
+        if running and len(running) < len(self.ranks):
+            return f"ranks {running} run while their peers are parked: {self.describe()}"
+        missing = set(range(self.cfg.requests)) - self.done
+        if missing:
+            return f"requests {sorted(missing)} never finish: {self.describe()}"
+        return None
+
+    def describe(self) -> str:
+        ranks = ", ".join(
+            f"r{i}(wave={r.wave}, {'running' if r.running else 'parked'}, work={r.work})"
+            for i, r in enumerate(self.ranks)
+        )
+        return f"{self.client_state()} {ranks}"
+
+
+class World(Checks):
     """One state of the group and the client. Mutable; `clone()` for search."""
 
     def __init__(self, cfg: Config, clock: WaveClock) -> None:
@@ -178,29 +217,8 @@ class World:
         if self.wake_due:
             yield ("client_flush", 0)
 
-    def apply(self, action: tuple[str, int]) -> None:
-        name, arg = action
-        if name == "group_step":
-            self.group_step()
-        else:
-            getattr(self, name)(arg)
-
-    def stuck(self) -> str | None:
-        """At a state where nothing more can happen: what is wrong, if anything."""
-        running = [i for i, r in enumerate(self.ranks) if r.running]
-        if running and len(running) < len(self.ranks):
-            return f"ranks {running} run while their peers are parked: {self.describe()}"
-        missing = set(range(self.cfg.requests)) - self.done
-        if missing:
-            return f"requests {sorted(missing)} never finish: {self.describe()}"
-        return None
-
-    def describe(self) -> str:
-        ranks = ", ".join(
-            f"r{i}(wave={r.wave}, {'running' if r.running else 'parked'}, work={r.work})"
-            for i, r in enumerate(self.ranks)
-        )
-        return f"clock={self.clock.wave} {ranks}"
+    def client_state(self) -> str:
+        return f"clock={self.clock.wave}"
 
 
 @dataclass
