@@ -197,12 +197,14 @@ async def _blows(
     client: _Client,
     report: SoakReport,
     progress: _Progress,
+    done: trio.Event,
 ) -> None:
     kinds = ["kill", "freeze", "client"]
     rng.shuffle(kinds)
     for i in range(cfg.blows):
         await progress.wait_for((i + 1) * cfg.requests // (cfg.blows + 1))
         await _blow(kinds[i % 3], cfg, rng, mock, client, report)
+    done.set()
 
 
 async def _chaos(
@@ -330,7 +332,8 @@ async def soak(url: str, cfg: SoakConfig) -> SoakReport:
             if cfg.chaos_every > 0:
                 nursery.start_soon(_chaos, cfg, rng, mock, client, report)
             progress = _Progress()
-            nursery.start_soon(_blows, cfg, rng, mock, client, report, progress)
+            blows_done = trio.Event()
+            nursery.start_soon(_blows, cfg, rng, mock, client, report, progress, blows_done)
             limiter = trio.CapacityLimiter(cfg.concurrency)
 
             async def run(rec: Record) -> None:
@@ -350,6 +353,11 @@ async def soak(url: str, cfg: SoakConfig) -> SoakReport:
                         report.records.append(rec)
                         workers.start_soon(run, rec)
             report.hung = [r.serial for r in report.records if not r.ends]
+            # A long blow (a freeze, a client restart) can outlast the requests left after
+            # it: let the scheduled blows all happen before the chaos stops, within the
+            # deadline, so that every kind is dealt even when the workload ends early.
+            with trio.move_on_at(start + cfg.deadline):
+                await blows_done.wait()
             nursery.cancel_scope.cancel()
     finally:
         await mock.stop()
