@@ -4,6 +4,7 @@ machine, and the broken translations shown caught."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -72,11 +73,22 @@ def test_vllms_own_coordinator_passes_too(cfg: VConfig) -> None:
     assert result.problem is None, (result.problem, result.counterexample)
 
 
-def test_older_engines_need_the_post_add_wake() -> None:
-    """vLLM <= 0.30 engines report no start_wave for an ADD at their own wave (the front
-    end's FIRST_REQ woke the peers): zmqdp's post-ADD START_DP_WAVE is what wakes them."""
-    assert vsearch(VConfig(2, 2, 2, 2, True, engine="0.30")).problem is None
-    result = vsearch(VConfig(2, 2, 1, 1, False, engine="0.30"))
+@pytest.mark.parametrize(
+    "cfg", [VConfig(2, 2, 1, 1), VConfig(2, 2, 2, 2), VConfig(3, 2, 1, 1)], ids=repr
+)
+def test_zmqdps_rules_serve_vllm_032_engines(cfg: VConfig) -> None:
+    """vLLM 0.32 engines (and 0.11-0.31) report no start_wave for an ADD at their own
+    wave (vLLM 0.32's front end woke the peers with FIRST_REQ): zmqdp's unchanged rules,
+    with the post-ADD START_DP_WAVE, leave no stuck state against them either."""
+    result = vsearch(dataclasses.replace(cfg, engine="0.32"))
+    assert result.problem is None, (result.problem, result.counterexample)
+
+
+def test_vllm_032_engines_need_the_post_add_wake() -> None:
+    """...and it is the post-ADD wake that does it: without it a 0.32 group strands the
+    rank that got the request, where a 0.33 group (which reports start_wave) does not."""
+    assert vsearch(VConfig(2, 2, 1, 1, False, engine="0.33")).problem is None
+    result = vsearch(VConfig(2, 2, 1, 1, False, engine="0.32"))
     assert result.problem is not None and "run while their peers are parked" in result.problem
 
 

@@ -7,10 +7,12 @@ vllm_dp.md §3; `vllm/v1/engine/core.py`, `coordinator.py`), not zmqdp's §5 eng
 * *park*: the group decides at step 1 of a wave and every `sync` steps
   (`dp_sync_interval`) whether any rank still has work; when none has, **only rank 0**
   reports `wave_complete: wave`, every rank does `wave += 1`, `running = False`;
-* *edge report* (0.30+): rank 0, after the first step of a wave that did not park there,
-  reports `start_wave: wave` (its own paused->running edge);
+* *edge report* (0.30+, so in both 0.32 and 0.33): rank 0, after the first step of a
+  wave that did not park there, reports `start_wave: wave` (its own paused->running edge);
 * *ADD*: the rank adopts the request's `current_wave` if it is newer than its own; if
-  parked, it wakes **itself** (`running = True`) and reports `start_wave: wave`;
+  parked, it wakes **itself** (`running = True`) and reports `start_wave: wave`
+  (0.33; with `engine="0.32"`, vLLM 0.11-0.32's rule: only an ADD for an *older* wave
+  than the rank's, to a parked rank, is reported);
 * *START_DP_WAVE(w, exclude)*: ignored by the excluded rank and if `w < wave`
   (stale); else `wave = w`, `running = True`. (The two-phase pause's
   `ignore_start_dp_wave` is not modelled: zmqdp never pauses a group.)
@@ -64,7 +66,7 @@ class VConfig:
     sync: int = 1  # dp_sync_interval (the group also decides at step 1 of each wave)
     wake_after_adds: bool = True  # the client publishes START_DP_WAVE after ADDs
     coalesce: bool = True  # start_wave answers wait for the end of the client's pass
-    engine: str = "0.33"  # "0.30": an ADD at the rank's own wave reports nothing
+    engine: str = "0.33"  # "0.32": an ADD at the rank's own wave reports nothing
 
 
 # -- the client side: what goes on vLLM's wire ------------------------------------------
@@ -343,8 +345,8 @@ class VllmWorld(Checks):
         request, wave = self.inputs[rank].popleft()
         r = self.ranks[rank]
         r.work[request] = self.cfg.steps
-        if self.cfg.engine == "0.30":
-            # 0.11-0.30: only a request for an older wave, to a parked rank, is reported;
+        if self.cfg.engine == "0.32":
+            # 0.11-0.32: only a request for an older wave, to a parked rank, is reported;
             # one for the rank's own wave relied on the front end's FIRST_REQ wake.
             if wave > r.wave:
                 r.wave = wave

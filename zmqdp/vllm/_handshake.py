@@ -17,6 +17,9 @@ latest HELLO, in either order. A HELLO from a rank that had said HELLO before is
 **rejoin**: its previous incarnation is dead. A ready response from a rank with no
 HELLO (it belongs to an incarnation that is gone) is stale and ignored.
 
+Each rank's wire version (`_wire.wire_version`) comes from its ready response's
+`vllm_version`, or from the caller's override; a guess is logged once per incarnation.
+
 MoE groups: every rank's READY must carry the same `parallel_config_hash` as the
 first one (vLLM compares it with the frontend's own config, which zmqdp does not
 have; the caller may give the expected hash). A mismatching READY is rejected: the
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.errors import quote
-from ._wire import identity_rank
+from ._wire import identity_rank, wire_version
 
 __all__ = ["HelloVerdict", "VllmHandshake"]
 
@@ -49,6 +52,7 @@ class _Rank:
     response: dict[str, Any] | None = None
     hellos: int = 0
     rejected: str | None = None
+    version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,9 @@ class VllmHandshake:
     """The init (EngineHandshakeMetadata bytes) for a rank."""
     lockstep: bool = False
     expected_hash: str | None = None
+    version_override: str | None = None
+    """`connect(vllm_version=)`: the wire version of every rank, whatever it says."""
+    on_warning: Callable[[int, str], None] | None = None
     ranks: list[_Rank] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     rejections: int = 0
@@ -137,7 +144,11 @@ class VllmHandshake:
         if rank is None or self.ranks[rank].step is not _Step.HELLO:
             self.ignored += 1
             return None
-        self.ranks[rank].response = info
+        r = self.ranks[rank]
+        r.response = info
+        r.version, warning = wire_version(info, self.version_override)
+        if warning is not None and self.on_warning is not None:
+            self.on_warning(rank, warning)
         return self._maybe_up(rank)
 
     def _maybe_up(self, rank: int) -> int | None:
@@ -183,6 +194,11 @@ class VllmHandshake:
     def info(self, rank: int) -> dict[str, Any]:
         """The rank's `EngineCoreReadyResponse` (max_num_seqs, max_model_len, ...)."""
         return dict(self.ranks[rank].response or {})
+
+    def version(self, rank: int) -> str | None:
+        """The wire version spoken with the rank's incarnation (None before its ready
+        response)."""
+        return self.ranks[rank].version
 
     def epoch(self, rank: int) -> int | None:
         return None

@@ -54,7 +54,7 @@ from ._wire import (
     rank_identity,
 )
 
-__all__ = ["VllmTransport", "open_vllm_transport"]
+__all__ = ["MASTER_PORTS", "VllmTransport", "moe_parallel_config", "open_vllm_transport"]
 
 log = logging.getLogger("zmqdp.vllm")
 
@@ -71,6 +71,29 @@ def _free_tcp_ports(host: str, n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+MASTER_PORTS = 5
+"""Pre-allocated DP master ports in a MoE init, as vLLM's frontend sends for all-remote
+engines (`ParallelConfig.__post_init__`: `get_open_ports_list(5)`): each DP process
+group an engine sets up, and each retry after EADDRINUSE, pops one."""
+
+
+def moe_parallel_config(size: int, advertise_host: str | None = None) -> dict[str, Any]:
+    """The `parallel_config` of a MoE init, as vLLM's frontend sends it when it runs no
+    engine itself: a master address, pre-allocated master ports, and
+    ``_coord_store_port: 0``. A non-zero coordination TCPStore port would make every
+    engine try to connect to a store nobody runs (2 x 300 s of retries, then
+    `DistNetworkError`), and the client would see only "no READY"."""
+    host = advertise_host or "127.0.0.1"
+    ports = _free_tcp_ports("0.0.0.0" if advertise_host else host, MASTER_PORTS + 1)
+    return {
+        "data_parallel_master_ip": host,
+        "data_parallel_master_port": ports[0],
+        "_data_parallel_master_port_list": ports[1:],
+        "_coord_store_port": 0,
+        "data_parallel_size": size,
+    }
 
 
 def _sibling(url: str, name: str) -> str:
@@ -100,6 +123,7 @@ class VllmTransport(InputOwner):
         listener: TransportListener | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         insecure: bool = False,
+        vllm_version: str | None = None,
     ) -> None:
         if url.startswith("tcp://") and not insecure:
             host = url[len("tcp://") :].rpartition(":")[0]
@@ -134,15 +158,7 @@ class VllmTransport(InputOwner):
             None if self.coordinator is None else self._advertised(self.coordinator, advertise_host)
         )
         if lockstep and parallel_config is None:
-            host = advertise_host or "127.0.0.1"
-            p = _free_tcp_ports("0.0.0.0" if advertise_host else host, 4)
-            parallel_config = {
-                "data_parallel_master_ip": host,
-                "data_parallel_master_port": p[0],
-                "_data_parallel_master_port_list": p[1:3],
-                "_coord_store_port": p[3],
-                "data_parallel_size": size,
-            }
+            parallel_config = moe_parallel_config(size, advertise_host)
         self.parallel_config = dict(parallel_config or {})
         self.init_body = encode_init(
             [self.input_address],
@@ -157,6 +173,8 @@ class VllmTransport(InputOwner):
             lambda _rank: self.init_body,
             lockstep=lockstep,
             expected_hash=parallel_config_hash,
+            version_override=vllm_version,
+            on_warning=lambda rank, why: log.warning("rank %d: %s", rank, why),
         )
         self.outbox: Outbox[list[bytes]] = Outbox(size, send_timeout=send_timeout)
         self._identities = [rank_identity(r) for r in range(size)]
@@ -370,6 +388,7 @@ async def open_vllm_transport(
     listener: TransportListener | None = None,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     insecure: bool = False,
+    vllm_version: str | None = None,
 ) -> AsyncIterator[VllmTransport]:
     """Bind, serve the handshake, wait for all `engines` ranks (`HandshakeTimeout`
     naming each missing rank and why), yield; leaving closes everything."""
@@ -384,6 +403,7 @@ async def open_vllm_transport(
         listener=listener,
         max_message_size=max_message_size,
         insecure=insecure,
+        vllm_version=vllm_version,
     )
     try:
         async with open_service_nursery() as nursery:

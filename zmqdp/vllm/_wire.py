@@ -51,8 +51,10 @@ __all__ = [
     "FINISH_REASONS",
     "START_DP_WAVE",
     "UTILITY",
+    "WIRE_VERSIONS",
     "XSUB_SUBSCRIBE",
     "SamplingParams",
+    "VllmError",
     "VllmOutput",
     "decode_hello",
     "decode_outputs",
@@ -66,6 +68,7 @@ __all__ = [
     "identity_rank",
     "rank_identity",
     "sampling_map",
+    "wire_version",
 ]
 
 # -- constants (vllm/v1/engine/__init__.py, core.py, coordinator.py) --------------------
@@ -321,6 +324,45 @@ def encode_start_dp_wave(wave: int, exclude_engine_index: int | None = None) -> 
 
 # -- handshake --------------------------------------------------------------------------
 
+WIRE_VERSIONS = ("0.32", "0.33")
+"""The vLLM engine-core versions zmqdp speaks. Their wires differ in what engines send
+(0.33 adds `EngineCoreOutput.error`, three ready-response fields and READY extras) and
+in who starts a wave: a 0.32 engine that gets an ADD for its own wave while parked
+reports nothing (vLLM 0.32's frontend woke its peers with FIRST_REQ), a 0.33 engine
+always reports `start_wave`. zmqdp's WAKE after ADDs (docs/protocol.md §5) wakes the
+peers in both cases, so one client rule serves both; tests/vllm_wave_model.py checks
+it against each version's engine rules."""
+
+
+def wire_version(info: Mapping[str, Any], override: str | None = None) -> tuple[str, str | None]:
+    """The wire version to speak with a rank, from its ready response's
+    `vllm_version` (or `override`), and a warning if it is a guess: ``(version,
+    warning)``. An unknown or absent version is taken as the nearest known one."""
+    if override is not None:
+        return override, None
+    raw = info.get("vllm_version")
+    if type(raw) is not str:
+        return WIRE_VERSIONS[-1], (
+            f"its ready response names no vllm_version; speaking vLLM "
+            f"{WIRE_VERSIONS[-1]}'s wire (pass vllm_version= to say which)"
+        )
+    parts = raw.split(".")
+    try:
+        key = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return WIRE_VERSIONS[-1], (
+            f"vllm_version {quote(raw)} is not MAJOR.MINOR...; speaking vLLM "
+            f"{WIRE_VERSIONS[-1]}'s wire (pass vllm_version= to say which)"
+        )
+    known = {tuple(int(x) for x in v.split(".")): v for v in WIRE_VERSIONS}
+    if key in known:
+        return known[key], None
+    nearest = WIRE_VERSIONS[0] if key < min(known) else WIRE_VERSIONS[-1]
+    return nearest, (
+        f"vLLM {raw} is not a version zmqdp was tested with ({', '.join(WIRE_VERSIONS)}); "
+        f"speaking {nearest}'s wire"
+    )
+
 
 class _Hello(msgspec.Struct):
     status: str
@@ -384,15 +426,43 @@ def decode_ready_response(body: bytes) -> dict[str, Any]:
 # -- outputs ----------------------------------------------------------------------------
 
 
+class VllmError(NamedTuple):
+    """Why an engine failed a request: vLLM 0.33's `RequestError`, sent with an
+    ``"error"`` finish (`code` e.g. ``"validation_error"``; `retryable`: the same
+    request may succeed later, e.g. it was refused while the engine was paused). vLLM
+    0.32 engines send no detail: their ``"error"`` finishes have ``error=None``."""
+
+    code: str
+    message: str
+    retryable: bool = False
+
+    def __str__(self) -> str:
+        again = " (retryable)" if self.retryable else ""
+        return f"{self.code}: {self.message}{again}"
+
+
 class VllmOutput(NamedTuple):
-    """The body of one output: the request's new token ids, and for a STOP finish what
-    stopped it (`stop_reason`: a stop token id, or None for EOS)."""
+    """The body of one output: the request's new token ids, for a STOP finish what
+    stopped it (`stop_reason`: a stop token id, or None for EOS), and for an
+    ``"error"`` finish what the engine said (`error`, vLLM >= 0.33)."""
 
     token_ids: list[int]
     stop_reason: int | str | None = None
+    error: VllmError | None = None
+
+
+class _RequestError(msgspec.Struct, gc=False):
+    """vLLM's `RequestError` dataclass (a map on the wire)."""
+
+    code: str
+    message: str
+    retryable: bool = False
 
 
 class _Out(msgspec.Struct, array_like=True, gc=False):
+    """vLLM's `EngineCoreOutput`, the fields zmqdp reads on every output (its other 11
+    in 0.32, 12 in 0.33, are trailing elements the decoder skips)."""
+
     request_id: str
     new_token_ids: list[int]
     new_logprobs: Any = None
@@ -400,6 +470,40 @@ class _Out(msgspec.Struct, array_like=True, gc=False):
     pooling_output: Any = None
     finish_reason: int | None = None
     stop_reason: int | str | None = None
+
+
+class _ErrorOut(msgspec.Struct, array_like=True, gc=False):
+    """`EngineCoreOutput` down to its 19th field, 0.33's `error`: decoded only for a
+    message that has an ERROR finish (rare), so the common path skips 12 fields."""
+
+    request_id: str
+    new_token_ids: Any = None
+    new_logprobs: Any = None
+    new_prompt_logprobs_tensors: Any = None
+    pooling_output: Any = None
+    finish_reason: Any = None
+    stop_reason: Any = None
+    events: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    trace_headers: Any = None
+    prefill_stats: Any = None
+    routed_experts: Any = None
+    num_nans_in_logits: Any = None
+    mm_cache_miss_hashes: Any = None
+    new_sampling_mask: Any = None
+    spec_decode_metrics: Any = None
+    prompt_token_id_logprobs: Any = None
+    error: _RequestError | None = None
+
+
+class _ErrorOutputs(msgspec.Struct, array_like=True, gc=False):
+    engine_index: Any = None
+    outputs: list[_ErrorOut] = []
+
+
+_ERROR = 3
+"""vLLM's FinishReason.ERROR."""
 
 
 class _Utility(msgspec.Struct, array_like=True, gc=False):
@@ -434,6 +538,7 @@ _outputs_decoder = msgspec.msgpack.Decoder(_Outputs)
 _loose_decoder = msgspec.msgpack.Decoder(_LooseOutputs)
 _out_decoder = msgspec.msgpack.Decoder(_Out)
 _utility_decoder = msgspec.msgpack.Decoder(_Utility)
+_error_outputs_decoder = msgspec.msgpack.Decoder(_ErrorOutputs)
 _new_output = tuple.__new__
 _NREASONS = len(FINISH_REASONS)
 
@@ -460,20 +565,39 @@ def _reply(u: _Utility) -> Reply:
     return Reply(u.call_id, result, None)
 
 
-def _converted(rank: int, outs: list[_Out], bad: list[BadEntry]) -> tuple[Output, ...]:
+def _errors(body: bytes) -> dict[str, VllmError]:
+    """The `error` of each entry of `body` that has one (vLLM >= 0.33), by request id."""
+    try:
+        full = _error_outputs_decoder.decode(body)
+    except Exception:  # a malformed detail (or deep nesting): the finish is still "error"
+        return {}
+    return {
+        o.request_id: VllmError(o.error.code, o.error.message, o.error.retryable)
+        for o in full.outputs
+        if o.error is not None
+    }
+
+
+def _converted(rank: int, outs: list[_Out], bad: list[BadEntry], body: bytes) -> tuple[Output, ...]:
     out: list[Output] = []
     append = out.append
+    errors: dict[str, VllmError] | None = None
     for o in outs:
         fr = o.finish_reason
+        error = None
         if fr is None:
             finish = None
         elif 0 <= fr < _NREASONS:
             finish = FINISH_REASONS[fr]
+            if fr == _ERROR:  # rare: only then is the entry read down to its `error`
+                if errors is None:
+                    errors = _errors(body)
+                error = errors.get(o.request_id)
         else:
             bad.append(BadEntry("outputs", o.request_id, f"finish_reason {fr} is not 0..4"))
             continue
-        body = _new_output(VllmOutput, (o.new_token_ids, o.stop_reason))
-        append(_new_output(Output, (o.request_id, body, finish)))
+        body_ = _new_output(VllmOutput, (o.new_token_ids, o.stop_reason, error))
+        append(_new_output(Output, (o.request_id, body_, finish)))
     return tuple(out)
 
 
@@ -504,7 +628,7 @@ def _decode_outputs(body: bytes) -> OutputBatch:
     if m.engine_index < 0:
         raise ProtocolError(f"engine_index {m.engine_index} is negative")
     bad: list[BadEntry] = []
-    outputs = _converted(m.engine_index, m.outputs, bad) if m.outputs else ()
+    outputs = _converted(m.engine_index, m.outputs, bad, body) if m.outputs else ()
     u = m.utility_output
     return OutputBatch(
         rank=m.engine_index,
@@ -547,7 +671,7 @@ def _decode_loose(body: bytes) -> OutputBatch:
             bad.append(BadEntry("replies", cid, str(exc)))
     return OutputBatch(
         rank=m.engine_index,
-        outputs=_converted(m.engine_index, good, bad),
+        outputs=_converted(m.engine_index, good, bad, body),
         load=_load(m.scheduler_stats),
         wave_complete=m.wave_complete,
         start_wave=m.start_wave,

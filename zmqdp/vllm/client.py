@@ -52,7 +52,7 @@ from ..client import EngineGroup, Request, _GroupListener
 from ..stream import RequestStream
 from ._core import VllmCore, start_dp_wave
 from ._transport import VllmTransport, open_vllm_transport
-from ._wire import SamplingParams, encode_start_dp_wave, encode_utility
+from ._wire import WIRE_VERSIONS, SamplingParams, encode_start_dp_wave, encode_utility
 
 __all__ = ["SamplingParams", "VllmEngineGroup", "VllmRequest"]
 
@@ -113,6 +113,7 @@ class VllmEngineGroup(EngineGroup):
         request_timeout: float | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         insecure: bool = False,
+        vllm_version: str | None = None,
     ) -> AsyncIterator[VllmEngineGroup]:
         """Bind the handshake ROUTER at `url` (``tcp://HOST:PORT``: the
         ``--data-parallel-address``/``--data-parallel-rpc-port`` the headless engines
@@ -132,12 +133,22 @@ class VllmEngineGroup(EngineGroup):
         response. `max_message_size` bounds every frame the client receives (a larger
         one drops that engine's connection). vLLM's wire has no authentication, so a
         tcp URL other machines can reach needs `insecure=True` (a trusted network).
+
+        `vllm_version` (``"0.32"`` or ``"0.33"``, `WIRE_VERSIONS`) says which vLLM
+        engine-core wire the ranks speak; by default each rank's ready response says
+        (`wire_version(rank)`), and an unknown version is taken as the nearest known one
+        with a warning. zmqdp's wave rules serve both versions (see `WIRE_VERSIONS`).
+
         Raises `HandshakeTimeout` naming each missing rank and what it lacks,
         `ValueError` for such a URL without `insecure=True`.
         Other arguments as `zmqdp.EngineGroup.connect`.
         """
         if request_timeout is not None:
             check_timeout("request_timeout", request_timeout)
+        if vllm_version is not None and vllm_version not in WIRE_VERSIONS:
+            raise ValueError(
+                f"vllm_version must be one of {', '.join(WIRE_VERSIONS)}, got {vllm_version!r}"
+            )
         listener = _GroupListener()
         async with open_vllm_transport(
             url,
@@ -151,6 +162,7 @@ class VllmEngineGroup(EngineGroup):
             listener=listener,
             max_message_size=max_message_size,
             insecure=insecure,
+            vllm_version=vllm_version,
         ) as transport:
             core = VllmCore(
                 engines,
@@ -187,6 +199,12 @@ class VllmEngineGroup(EngineGroup):
         return super().submit(
             Request(request.id, (request, time.time()), request.rank, request.timeout)
         )
+
+    def wire_version(self, rank: int) -> str | None:
+        """The vLLM wire version spoken with the rank (``"0.32"`` or ``"0.33"``): the
+        `vllm_version` given to `connect`, else what its ready response says; None
+        while the rank has not sent one."""
+        return self._transport.state.version(rank)
 
     def _max_model_len(self) -> int | None:
         """The smallest `max_model_len` the ranks' ready responses announce, if any."""
