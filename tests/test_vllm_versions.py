@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import trio
 
 from zmqdp.vllm import WIRE_VERSIONS, VllmEngineGroup, VllmError, VllmOutput
 from zmqdp.vllm._handshake import VllmHandshake
@@ -155,3 +156,28 @@ def test_the_moe_init_names_no_coordination_store_and_enough_master_ports() -> N
     for port in (config["data_parallel_master_port"], *ports):
         with socket.socket() as s:  # each one is free to bind
             s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+async def test_the_engines_error_reaches_the_stream(version: str) -> None:
+    """A request-level error on the engine: the stream's last output has finish
+    "error", and with 0.33 engines the engine's reason (`VllmError`); the group goes on
+    serving, and `wire_version` says what the ready response said."""
+    from tests.test_vllm_group import collect, req, vllm_group
+
+    with trio.fail_after(10):
+        async with vllm_group(1, fake_kw={"version": version}) as (group, fake):
+            assert group.wire_version(0) == version
+            async with group.submit(req("bad", 10**6)) as stream:
+                fake.engines[0].fail_request(stream.wire_id, "Invalid structured outputs: x")
+                outs = [out async for out in stream]
+            last = outs[-1]
+            assert last.finish == "error"
+            if version == "0.33":
+                assert last.body.error == VllmError(
+                    "validation_error", "Invalid structured outputs: x", False
+                )
+            else:
+                assert last.body.error is None
+            tokens, _ = await collect(group, req("after", 3))
+            assert len(tokens) == 3
