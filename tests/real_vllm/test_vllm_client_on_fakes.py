@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from functools import partial
@@ -28,6 +27,8 @@ import pytest
 import trio
 
 from tests.vllm_fake import FakeVllmEngine, FakeVllmGroup
+
+from .engines import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "realvllm" / "vllm_dp_client.py"
@@ -41,13 +42,6 @@ pytestmark = [
 
 LIMIT_S = 180.0
 MAX_TOKENS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +142,7 @@ def check_outcome(fake: FakeVllmGroup, result: dict[str, Any], requests: int) ->
 
 
 async def test_vllm_dp_client_dense_dp2(model_root: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     fake = FakeVllmGroup(f"tcp://127.0.0.1:{port}", 2, version="0.32")
     try:
         with trio.fail_after(LIMIT_S):
@@ -169,7 +163,7 @@ async def test_vllm_dp_client_dense_dp2(model_root: Path, tmp_path: Path) -> Non
 
 @pytest.mark.timeout_s(260)
 async def test_vllm_dp_client_moe_dp2(model_root: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     fake = FakeVllmGroup(f"tcp://127.0.0.1:{port}", 2, moe=True, version="0.32")
     try:
         with trio.fail_after(LIMIT_S):
@@ -207,7 +201,7 @@ async def test_vllm_dp_client_refuses_an_incomplete_ready_response(
             del r["dp_stats_address"]
             return r
 
-    port = _free_port()
+    port = free_port()
     fake = FakeVllmGroup(f"tcp://127.0.0.1:{port}", 2, version="0.32")
     fake.engines[1] = Incomplete(fake, 1, tokens_per_step=1, step_delay=0.0)
     try:
