@@ -301,6 +301,7 @@ def test_drain_lets_live_requests_finish_then_closes(dense: GroupHost) -> None:
         started = trio.Event()
 
         async def one(i: int) -> None:
+            nonlocal refused
             r = request(f"draining-{i}", 64, eos=None)
             res = Result(None)
             results.append(res)
@@ -309,17 +310,18 @@ def test_drain_lets_live_requests_finish_then_closes(dense: GroupHost) -> None:
                 async for out in stream:
                     res.tokens += out.body.token_ids
                     res.finish = out.finish
+                    if i == 0 and refused is None and group.health().draining:
+                        # draining and still streaming: a new request is refused
+                        try:
+                            group.submit(request("refused", 2))
+                        except GroupDraining as exc:
+                            refused = exc
 
         async with trio.open_nursery() as nursery:
             for i in range(6):
                 nursery.start_soon(one, i)
             await started.wait()
             nursery.start_soon(group.drain, 60)
-            await trio.lowlevel.checkpoint()
-            try:
-                group.submit(request("refused", 2))
-            except GroupDraining as exc:
-                refused = exc
         return results, refused
 
     results, refused = dense.run(run, timeout=120)
