@@ -67,7 +67,7 @@ class ChannelStream(RequestStream):
 
 
 async def client_round(group: EngineGroup, streams: int, tokens: int, channel: bool) -> float:
-    type(group)._for_testing_stream_class = ChannelStream if channel else RequestStream
+    type(group).stream_class = ChannelStream if channel else RequestStream
     delivered = 0
 
     async def consume(stream: RequestStream) -> None:
@@ -81,7 +81,7 @@ async def client_round(group: EngineGroup, streams: int, tokens: int, channel: b
             nursery.start_soon(consume, group.submit(Request(f"r{i}", None)))
         start = time.perf_counter()
     elapsed = time.perf_counter() - start
-    type(group)._for_testing_stream_class = RequestStream
+    type(group).stream_class = RequestStream
     assert delivered == streams * tokens, delivered
     return delivered / elapsed
 

@@ -35,8 +35,9 @@ from _engines import engine_process
 from _harness import Row, median, save
 from _vllm_engines import native_group, vllm_group
 
+import zmqdp.vllm
 from zmqdp import EngineGroup, Request
-from zmqdp.vllm import SamplingParams, VllmEngineGroup, VllmRequest
+from zmqdp.vllm import SamplingParams, VllmGroup, VllmRequest
 
 PROMPT = [1, 2, 3]
 
@@ -67,7 +68,7 @@ class Round:
         return self.received / (end - self.first)
 
 
-async def vllm_round(group: VllmEngineGroup, requests: int, tokens: int) -> float:
+async def vllm_round(group: VllmGroup, requests: int, tokens: int) -> float:
     clock = Round("vllm")
     sp = SamplingParams(temperature=0.0, max_tokens=tokens)
 
@@ -109,7 +110,7 @@ async def measure(a: Any) -> dict[str, list[float]]:
         engine_process(native_group, nurl, a.ranks, a.per_step, per_rank),
     ):
         async with (
-            VllmEngineGroup.connect(vurl, a.ranks, ready_timeout=30) as vgroup,
+            zmqdp.vllm.connect(vurl, a.ranks, ready_timeout=30) as vgroup,
             EngineGroup.connect(nurl, a.ranks, ready_timeout=30) as ngroup,
         ):
             await vllm_round(vgroup, a.requests, a.tokens)  # warm up

@@ -16,6 +16,7 @@ from zmqdp._core.requests import RequestBook
 from zmqdp._core.routing import Routing
 from zmqdp._core.state import BatchRest, BatchResult, GroupCore, RankHealth
 from zmqdp._core.waves import WaveClock
+from zmqdp._core.wire import NativeWire
 
 # -- request lifecycle (caught by tests/lifecycle_model.py) ----------------------------
 
@@ -38,14 +39,35 @@ class ReusesWireIds(GroupCore[Any]):
     book_cls = ReusingWireIdBook
 
 
-class DropsBatchOnBadEntry(GroupCore[Any]):
-    """Treats one malformed entry as a bad batch (§7 entry scope broken)."""
-
-    def _decode(self, body: bytes) -> tuple[OutputBatch, EntryCursor | None]:
-        batch, rest = super()._decode(body)
+class _DropsBatchOnBadEntryWire(NativeWire):
+    def decode_batch(
+        self, body: bytes, slice_entries: int
+    ) -> tuple[OutputBatch, EntryCursor | None]:
+        batch, rest = super().decode_batch(body, slice_entries)
         if batch.bad_entries:
             raise ProtocolError(f"malformed entry: {batch.bad_entries[0].cause}")
         return batch, rest
+
+
+class WithWire:
+    """The real core given a broken `Wire` (codec mutants are wire variants). It stands
+    where a core class does (`core_cls`): an instance, not a function, so that as a
+    class attribute it is not bound as a method."""
+
+    def __init__(self, name: str, wire: type[NativeWire], doc: str) -> None:
+        self.__name__ = name
+        self.__doc__ = doc
+        self._wire = wire
+
+    def __call__(self, *args: Any, **kwargs: Any) -> GroupCore[Any]:
+        return GroupCore(*args, wire=self._wire(), **kwargs)
+
+
+DropsBatchOnBadEntry = WithWire(
+    "DropsBatchOnBadEntry",
+    _DropsBatchOnBadEntryWire,
+    "A codec that treats one malformed entry as a bad batch (§7 entry scope broken).",
+)
 
 
 class _CapBlindRouting(Routing):
@@ -86,14 +108,21 @@ class _SkippingCursor(EntryCursor):
         return super().next_slice(n)
 
 
-class LosesSliceBoundaries(GroupCore[Any]):
-    """Drops an entry at each slice boundary of a long batch."""
-
-    def _decode(self, body: bytes) -> tuple[OutputBatch, EntryCursor | None]:
-        batch, rest = super()._decode(body)
+class _LosesSliceBoundariesWire(NativeWire):
+    def decode_batch(
+        self, body: bytes, slice_entries: int
+    ) -> tuple[OutputBatch, EntryCursor | None]:
+        batch, rest = super().decode_batch(body, slice_entries)
         if rest is not None:
             rest.__class__ = _SkippingCursor
         return batch, rest
+
+
+LosesSliceBoundaries = WithWire(
+    "LosesSliceBoundaries",
+    _LosesSliceBoundariesWire,
+    "A codec that drops an entry at each slice boundary of a long batch.",
+)
 
 
 class NoSizeCheck(GroupCore[Any]):

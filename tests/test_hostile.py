@@ -134,7 +134,7 @@ async def test_queued_heartbeats_are_read_before_silence_is_judged(
     ctx: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"ipc://{tmp_path}/g"
-    monkeypatch.setattr(EngineGroup, "_for_testing_stream_class", HoldsUpTheDispatcher)
+    monkeypatch.setattr(EngineGroup, "stream_class", HoldsUpTheDispatcher)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ScriptedEngine(url, 1, 2).run)
         async with group_in_background(url, 2, silence_timeout=0.3) as box:
@@ -175,7 +175,7 @@ async def test_a_silent_rank_is_judged_while_another_rank_keeps_the_socket_busy(
     """The mirror of the test above: rank 1's heartbeats never stop coming, so the
     dispatcher always has input; rank 0's silence must still be judged."""
     url = f"ipc://{tmp_path}/g"
-    monkeypatch.setattr(EngineGroup, "_for_testing_stream_class", HoldsUpTheDispatcher)
+    monkeypatch.setattr(EngineGroup, "stream_class", HoldsUpTheDispatcher)
     async with group_in_background(url, 2, silence_timeout=0.3) as box:
         silent = RawEngine(ctx, url, 0, 2)
         chatty = RawEngine(ctx, url, 1, 2)

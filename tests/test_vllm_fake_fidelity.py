@@ -9,7 +9,7 @@ real 0.32 engine's ready response, captured, is the reference for 0.32's values.
 
 The fake engines are driven here by a bare frontend (`RawFrontend`: vLLM's sockets, no
 zmqdp client), so what is checked is what they put on the wire; the last tests run
-zmqdp's `VllmEngineGroup` against both versions. No vLLM import: this runs in CI.
+zmqdp's `zmqdp.vllm.connect`'s group against both versions. No vLLM import: this runs in CI.
 (tests/real_vllm/test_vllm_client_on_fakes.py runs vLLM's own client against them.)
 """
 
@@ -29,10 +29,11 @@ import pytest
 import trio
 import zmq
 
+import zmqdp.vllm
 from zmqdp._core.errors import HandshakeTimeout
 from zmqdp._zmq import ZSocket
-from zmqdp.vllm import SamplingParams, VllmEngineGroup
-from zmqdp.vllm._wire import encode_add, sampling_map
+from zmqdp.vllm import SamplingParams
+from zmqdp.vllm.codec import encode_add, sampling_map
 
 from .test_vllm_group import collect, req, vllm_group
 from .vllm_fake import DP_INIT_KEYS, FakeVllmEngine, FakeVllmGroup
@@ -786,7 +787,7 @@ async def test_zmqdp_moe_init_with_a_dead_coord_store_port_is_refused() -> None:
             for e in fake.engines:
                 nursery.start_soon(e.run)
             with pytest.raises(HandshakeTimeout):
-                async with VllmEngineGroup.connect(
+                async with zmqdp.vllm.connect(
                     fake.url, 2, moe=True, parallel_config=pc, ready_timeout=2.0
                 ):
                     pass  # pragma: no cover

@@ -1,4 +1,4 @@
-"""`VllmEngineGroup` end to end against the fake vLLM engines of tests/vllm_fake.py:
+"""`zmqdp.vllm.connect`'s group end to end against the fake vLLM engines of tests/vllm_fake.py:
 dense and MoE groups, outputs and finish reasons, aborts, pinned ranks, utility calls,
 load from scheduler_stats, and the fault modes of the native tests."""
 
@@ -14,6 +14,7 @@ import pytest
 import trio
 import zmq
 
+import zmqdp.vllm
 from zmqdp import RankState
 from zmqdp._core.errors import (
     CallFailed,
@@ -25,7 +26,7 @@ from zmqdp._core.errors import (
     ProtocolError,
     RequestAborted,
 )
-from zmqdp.vllm import SamplingParams, VllmEngineGroup, VllmOutput, VllmRequest
+from zmqdp.vllm import SamplingParams, VllmGroup, VllmOutput, VllmRequest
 
 from .helpers import wait_until
 from .vllm_fake import FakeVllmGroup, output_entry, outputs_message
@@ -39,7 +40,7 @@ async def vllm_group(
     start: Any = None,
     fake_kw: dict[str, Any] | None = None,
     **kw: Any,
-) -> AsyncIterator[tuple[VllmEngineGroup, FakeVllmGroup]]:
+) -> AsyncIterator[tuple[VllmGroup, FakeVllmGroup]]:
     d = tempfile.mkdtemp(prefix="zv", dir="/tmp")
     fake = FakeVllmGroup(f"ipc://{d}/hs", n, moe=moe, **(fake_kw or {}))
     try:
@@ -49,7 +50,7 @@ async def vllm_group(
                 if start is None or e.rank in start:
                     nursery.start_soon(e.run)
             kw.setdefault("ready_timeout", 5.0)
-            async with VllmEngineGroup.connect(fake.url, n, moe=moe, **kw) as group:
+            async with zmqdp.vllm.connect(fake.url, n, moe=moe, **kw) as group:
                 yield group, fake
             nursery.cancel_scope.cancel()
     finally:
@@ -62,7 +63,7 @@ def req(rid: str, max_tokens: int = 4, **kw: Any) -> VllmRequest:
     return VllmRequest(rid, kw.pop("prompt", [10, 20]), sampling, **kw)
 
 
-async def collect(group: VllmEngineGroup, r: VllmRequest) -> tuple[list[int], list[Any]]:
+async def collect(group: VllmGroup, r: VllmRequest) -> tuple[list[int], list[Any]]:
     tokens: list[int] = []
     outs = []
     async with group.submit(r) as stream:
@@ -214,7 +215,7 @@ async def test_handshake_timeout_names_the_missing_ranks() -> None:
             nursery.start_soon(fake.engines[0].run)
             nursery.start_soon(fake.engines[2].run)
             with pytest.raises(HandshakeTimeout) as info:
-                async with VllmEngineGroup.connect(fake.url, 3, ready_timeout=1.0):
+                async with zmqdp.vllm.connect(fake.url, 3, ready_timeout=1.0):
                     pass
             nursery.cancel_scope.cancel()
     finally:
@@ -436,7 +437,7 @@ async def test_parallel_config_hash_mismatch_names_the_rank() -> None:
             for e in fake.engines:
                 nursery.start_soon(e.run)
             with pytest.raises(HandshakeTimeout) as info:
-                async with VllmEngineGroup.connect(
+                async with zmqdp.vllm.connect(
                     fake.url, 2, moe=True, ready_timeout=1.0, parallel_config_hash="fake-hash"
                 ):
                     pass
@@ -450,7 +451,7 @@ async def test_parallel_config_hash_mismatch_names_the_rank() -> None:
 
 async def test_a_url_other_machines_can_reach_needs_insecure() -> None:
     with pytest.raises(ValueError, match=r"no authentication.*insecure=True"):
-        async with VllmEngineGroup.connect("tcp://0.0.0.0:0", 1, ready_timeout=0.1):
+        async with zmqdp.vllm.connect("tcp://0.0.0.0:0", 1, ready_timeout=0.1):
             pass  # pragma: no cover
 
 

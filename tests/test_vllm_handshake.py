@@ -11,8 +11,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from zmqdp.vllm._handshake import VllmHandshake
-from zmqdp.vllm._wire import rank_identity
+from zmqdp.vllm.codec import rank_identity
+from zmqdp.vllm.handshake import VllmHandshake
 
 N = 3
 

@@ -10,10 +10,11 @@ import msgspec
 import pytest
 import trio
 
-from zmqdp.vllm import WIRE_VERSIONS, VllmEngineGroup, VllmError, VllmOutput
-from zmqdp.vllm._handshake import VllmHandshake
-from zmqdp.vllm._transport import MASTER_PORTS, moe_parallel_config
-from zmqdp.vllm._wire import decode_outputs, wire_version
+import zmqdp.vllm
+from zmqdp.vllm import WIRE_VERSIONS, VllmError, VllmOutput
+from zmqdp.vllm.codec import decode_outputs, wire_version
+from zmqdp.vllm.handshake import VllmHandshake
+from zmqdp.vllm.sockets import MASTER_PORTS, moe_parallel_config
 
 enc = msgspec.msgpack.encode
 
@@ -80,7 +81,7 @@ def test_the_handshake_records_each_ranks_version_and_its_guesses() -> None:
 
 async def test_connect_refuses_an_unknown_vllm_version() -> None:
     with pytest.raises(ValueError, match=r"vllm_version must be one of 0\.32, 0\.33"):
-        async with VllmEngineGroup.connect("ipc:///tmp/zmqdp-never", 1, vllm_version="0.30"):
+        async with zmqdp.vllm.connect("ipc:///tmp/zmqdp-never", 1, vllm_version="0.30"):
             pass
     assert WIRE_VERSIONS == ("0.32", "0.33")
 

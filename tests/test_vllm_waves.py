@@ -1,4 +1,4 @@
-"""`VllmEngineGroup`'s wave translation against vLLM 0.33's engine rules
+"""`zmqdp.vllm.connect`'s group's wave translation against vLLM 0.33's engine rules
 (tests/vllm_wave_model.py): every interleaving of small groups, a Hypothesis-driven
 machine, and the broken translations shown caught."""
 
@@ -24,7 +24,7 @@ from tests.vllm_wave_model import (
     vsearch,
 )
 from zmqdp._core.waves import WaveClock
-from zmqdp.vllm._core import request_wave, start_dp_wave
+from zmqdp.vllm.wire import request_wave, start_dp_wave
 
 
 def test_the_translation_is_the_clock_and_no_exclusion() -> None:

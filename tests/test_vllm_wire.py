@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from zmqdp._core.errors import ProtocolError
 from zmqdp._core.messages import Load, Output, Reply
-from zmqdp.vllm._wire import (
+from zmqdp.vllm.codec import (
     COORDINATOR_READY,
     ENGINE_CORE_DEAD,
     FINISH_REASONS,

@@ -1,5 +1,5 @@
 """vLLM 0.33's engine-side wave rules as a rank variant of tests/wave_model.py, driven by
-the wave translation `VllmEngineGroup` uses (or a broken one).
+the wave translation `zmqdp.vllm.connect`'s group uses (or a broken one).
 
 The ranks are vLLM's `DPEngineCoreProc` with a coordinator (/work/shared/reference/
 vllm_dp.md §3; `vllm/v1/engine/core.py`, `coordinator.py`), not zmqdp's §5 engines:
@@ -26,8 +26,8 @@ group steps only when every rank is running (a running rank whose peers are park
 sits in its collective).
 
 The client is a `Dialect`: what it stamps on ADDs, what it publishes and when.
-`ZmqdpDialect` is `VllmEngineGroup`'s: the real `WaveClock` (or a mutant clock) plus
-`zmqdp.vllm._core`'s `start_dp_wave` and `request_wave`: every WAKE of zmqdp's §5
+`ZmqdpDialect` is `zmqdp.vllm.connect`'s group's: the real `WaveClock` (or a mutant clock) plus
+`zmqdp.vllm.wire`'s `start_dp_wave` and `request_wave`: every WAKE of zmqdp's §5
 (after ADDs, the answer to the `start_wave`s of a dispatcher pass, coalesced when
 `coalesce`) goes out as START_DP_WAVE(c, None), ADDs carry `current_wave = c`.
 `VllmCoordinatorDialect` is vLLM 0.33's own coordinator (no front-end wake), for
@@ -52,7 +52,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from tests import mutants
 from tests.wave_model import Checks, SearchResult, explore
 from zmqdp._core.waves import WaveClock
-from zmqdp.vllm._core import request_wave, start_dp_wave
+from zmqdp.vllm.wire import request_wave, start_dp_wave
 
 Start = tuple[int, int | None]
 """START_DP_WAVE(wave, exclude_engine_index)."""
@@ -106,8 +106,8 @@ class Dialect:
 
 
 class ZmqdpDialect(Dialect):
-    """`VllmEngineGroup`: zmqdp's §5 client rules (the real `WaveClock`, or a mutant
-    clock) on vLLM's wire through `zmqdp.vllm._core`'s own translation."""
+    """`zmqdp.vllm.connect`'s group: zmqdp's §5 client rules (the real `WaveClock`, or a mutant
+    clock) on vLLM's wire through `zmqdp.vllm.wire`'s own translation."""
 
     clock_cls: type[WaveClock] = WaveClock
 

@@ -33,8 +33,12 @@ from ._core.errors import (
 from ._core.messages import Load, Output
 from ._core.metrics import HistogramSnapshot
 from ._core.requests import Outcome
-from .client import (
-    EngineGroup,
+from ._core.wire import NativeWire, Wire
+from ._transport import NATIVE, GroupDialect
+from .client import EngineGroup
+from .stream import RequestStream
+from .values import (
+    ConnectOptions,
     EngineInfo,
     GroupHealth,
     GroupStatistics,
@@ -42,12 +46,16 @@ from .client import (
     RankStatistics,
     Request,
 )
-from .stream import RequestStream
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "NATIVE",
     "CallFailed",
+    "ConnectOptions",
+    "GroupDialect",
+    "NativeWire",
+    "Wire",
     "CallTimeout",
     "DuplicateRequestId",
     "EngineDead",

@@ -22,45 +22,46 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar
 
 import outcome
 import trio
 
 from ._core.errors import Overloaded, ZmqdpError
-
-if TYPE_CHECKING:
-    from .client import Request
-    from .stream import RequestStream
+from .stream import RequestStream
 
 __all__ = ["WaitQueue"]
 
+R = TypeVar("R")
 
-class _Waiter:
-    __slots__ = ("request", "task")
 
-    def __init__(self, request: Request, task: trio.lowlevel.Task) -> None:
+class _Waiter(Generic[R]):
+    __slots__ = ("rank", "request", "task")
+
+    def __init__(self, request: R, rank: int | None, task: trio.lowlevel.Task) -> None:
         self.request = request
+        self.rank = rank
         self.task: trio.lowlevel.Task | None = task
 
 
-class WaitQueue:
+class WaitQueue(Generic[R]):
     """The tasks in `EngineGroup.wait_submit`, first come, first served."""
 
     __slots__ = ("_queue", "_waiting")
 
     def __init__(self) -> None:
-        self._queue: deque[_Waiter] = deque()
+        self._queue: deque[_Waiter[R]] = deque()
         self._waiting = 0
 
     def __len__(self) -> int:
         """Waiters still waiting (cancelled ones are not counted)."""
         return self._waiting
 
-    async def wait(self, request: Request) -> RequestStream:
-        """Park until `admit` submits `request` (its stream) or its submit fails (that
-        error). Cancellation: if cancelled while parked, nothing was submitted."""
-        waiter = _Waiter(request, trio.lowlevel.current_task())
+    async def wait(self, request: R, rank: int | None) -> RequestStream:
+        """Park until `admit` submits `request` (pinned to `rank`; its stream) or its
+        submit fails (that error). Cancellation: if cancelled while parked, nothing was
+        submitted."""
+        waiter = _Waiter(request, rank, trio.lowlevel.current_task())
         self._queue.append(waiter)
         self._waiting += 1
 
@@ -73,19 +74,19 @@ class WaitQueue:
         return stream
 
     def admit(
-        self, submit: Callable[[Request], RequestStream], room: Callable[[int | None], bool]
+        self, submit: Callable[[R], RequestStream], room: Callable[[int | None], bool]
     ) -> None:
         """Submit, in arrival order, every waiting request that fits now. `room(rank)`
         says whether a request pinned to `rank` (None: unpinned) could be taken; if it
         says no, the waiter is not tried."""
-        queue, keep = self._queue, deque[_Waiter]()
+        queue, keep = self._queue, deque[_Waiter[R]]()
         unpinned_blocked = False
         while queue:
             waiter = queue.popleft()
             task = waiter.task
             if task is None:
                 continue
-            rank = waiter.request.rank
+            rank = waiter.rank
             if (rank is None and unpinned_blocked) or not room(rank):
                 unpinned_blocked |= rank is None
                 keep.append(waiter)
@@ -104,7 +105,7 @@ class WaitQueue:
             trio.lowlevel.reschedule(task, result)
         self._queue = keep
 
-    def fail_all(self, error: Callable[[Request], BaseException]) -> None:
+    def fail_all(self, error: Callable[[R], BaseException]) -> None:
         """Wake every waiter with `error(request)` (the group is draining or closed)."""
         queue, self._queue = self._queue, deque()
         for waiter in queue:

@@ -8,6 +8,7 @@ A call waits on its own `trio.Event`; the dispatcher settles it with the engine'
 
 from __future__ import annotations
 
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,16 +35,15 @@ class PendingCall:
 
 
 class PendingCalls:
-    """Every call in flight. Call ids count from 0 and are never reused (§1 bounds
-    them to 2^63 - 1, which a client does not reach)."""
+    """Every call in flight. Call ids come from the wire (`Wire.new_call_id`: natively
+    counting from 0, never reused; vLLM's random 64-bit ints), never one in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_id: Callable[[Container[int]], int]) -> None:
         self._calls: dict[int, PendingCall] = {}
-        self._next_id = 0
+        self._new_id = new_id
 
     def open(self, rank: int, method: str) -> tuple[int, PendingCall]:
-        call_id = self._next_id
-        self._next_id += 1
+        call_id = self._new_id(self._calls)
         call = self._calls[call_id] = PendingCall(rank, method)
         return call_id, call
 

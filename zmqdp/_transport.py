@@ -52,12 +52,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 import zmq
@@ -71,19 +72,26 @@ from ._addresses import (
 from ._core.auth import ZAP_DOMAIN, PeerBinding, ZapPolicy
 from ._core.codec import decode_handshake, encode_handshake
 from ._core.errors import HandshakeTimeout, ProtocolError, quote
-from ._core.handshake import HandshakeState, identity_rank, rank_identity
+from ._core.handshake import Handshake, HandshakeState, identity_rank, rank_identity
 from ._core.messages import Hello, Init, Ready, Register, Reject, Resync
 from ._core.outbox import Outbox
 from ._core.state import DEFAULT_MAX_MESSAGE_SIZE
+from ._core.wire import NativeWire, Wire
 from ._util import LogLimiter, open_service_nursery
 from ._zmq import ZSocket, ZSocketStatistics, is_unreachable
+from .values import ConnectOptions, Request
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
+    "NATIVE",
+    "GroupDialect",
     "GroupTransport",
+    "Transport",
     "TransportListener",
     "open_group_transport",
 ]
+
+R = TypeVar("R")
 
 log = logging.getLogger("zmqdp")
 
@@ -177,23 +185,183 @@ class TransportStatistics:
     """CURVE: messages dropped because their routing id was not their key's rank."""
 
 
-class InputOwner:
-    """The owner task of a group's input ROUTER, shared by the native and the vLLM
-    transports: it sends what other tasks queued in the per-rank `outbox` (until a
+class Transport(Protocol):
+    """What the client uses of a transport, on any wire."""
+
+    output: ZSocket
+    """The output socket, the dispatcher's alone."""
+    nursery: trio.Nursery | None
+
+    @property
+    def lockstep(self) -> bool:
+        """The ranks run in lockstep (their HELLOs said so, or the dialect: MoE)."""
+        ...
+
+    @property
+    def state(self) -> Handshake: ...
+
+    def send(self, rank: int, frames: Sequence[bytes]) -> None: ...
+
+    def publish(self, frames: list[bytes]) -> None: ...
+
+    def drop_queued(self, rank: int) -> None: ...
+
+    def forget(self, rank: int, *, resync: bool = True) -> None: ...
+
+    def statistics(self) -> TransportStatistics: ...
+
+
+OpenTransport = Callable[
+    [str, int, ConnectOptions, "TransportListener"], AbstractAsyncContextManager[Transport]
+]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDialect(Generic[R]):
+    """A wire and the sockets it runs on: what `EngineGroup.open` takes to speak to
+    engines of one kind (`NATIVE`, `zmqdp.vllm.dialect(...)`). The variation is passed
+    in, never made by subclassing the group, its core or its transport."""
+
+    wire: Wire[R]
+    """The codec and its capability flags (sans-IO, `_core/wire.py`)."""
+    open_transport: OpenTransport
+    """Bind the sockets, run the handshake until every rank is up, yield the transport."""
+
+
+@asynccontextmanager
+async def _open_native(
+    url: str, engines: int, options: ConnectOptions, listener: TransportListener
+) -> AsyncIterator[Transport]:
+    async with open_group_transport(
+        url,
+        engines,
+        ready_timeout=options.ready_timeout or NativeWire.default_ready_timeout,
+        advertise_host=options.advertise_host,
+        max_message_size=options.max_message_size,
+        send_timeout=options.send_timeout,
+        listener=listener,
+        curve=options.curve,
+        insecure=options.insecure,
+    ) as transport:
+        yield transport
+
+
+NATIVE: GroupDialect[Request] = GroupDialect(NativeWire(), _open_native)
+"""zmqdp's own protocol (docs/protocol.md): `EngineGroup.connect`'s dialect."""
+
+
+class TransportBase:
+    """What every transport shares, whatever its wire: the input ROUTER and its owner
+    task, sends, the handshake loop, handshake answers, waiting for the ranks, the
+    statistics and closing. A dialect's transport (`GroupTransport` natively,
+    `zmqdp.vllm.sockets.VllmTransport`) adds only its socket layout and how it reads
+    its handshake messages (`_on_handshake_message`, `_on_input_message`, `_resync`).
+
+    The input task sends what other tasks queued in the per-rank `outbox` (until a
     rank's pipe is full; that rank is retried on the outbox's timer and dropped after
     `send_timeout`), and hands what arrives to `_on_input_message`. It parks until a
     message arrives, another task queues one for a rank that is not blocked, or a
     blocked rank's retry is due; it never spins on a full rank, and a peer that floods
     the socket makes it yield once per batch."""
 
+    size: int
+    handshake: ZSocket
     input: ZSocket
+    output: ZSocket
     outbox: Outbox[list[bytes]]
     listener: TransportListener
     send_timeout: float
-    _input_rounds: int
+    state: Any
+    context: zmq.Context[zmq.Socket[bytes]]
+    nursery: trio.Nursery | None
+    _logs: LogLimiter
+    _sockets: list[ZSocket]
+    _own_context: bool
+
+    def _init_base(
+        self, identities: list[bytes], listener: TransportListener | None, send_timeout: float
+    ) -> None:
+        """After the sockets are bound: the state every transport keeps."""
+        self.listener = listener or TransportListener()
+        self.send_timeout = send_timeout
+        self.outbox = Outbox(self.size, send_timeout=send_timeout)
+        self._identities = identities
+        self._input_rounds = 0
+        self._dropped_answers = 0
+        self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
+        self.nursery = None  # set by the opener
+
+    # -- sending (any task) -----------------------------------------------------------
+
+    def send(self, rank: int, frames: Sequence[bytes]) -> None:
+        """Queue a message for `rank` on the input socket; never blocks. Failures come
+        back through `listener.send_failed`. Raises `trio.ClosedResourceError` once the
+        transport is closed."""
+        if self.input.closed:
+            raise trio.ClosedResourceError("the engine group's sockets are closed")
+        if self.outbox.put(rank, [self._identities[rank], *frames]):
+            self.input.kick()
+
+    def drop_queued(self, rank: int) -> None:
+        """Forget what is queued for `rank`: it was declared dead, and a next
+        incarnation on the same identity must not get the old one's messages."""
+        self.outbox.drop(rank)
+
+    # -- the handshake task -----------------------------------------------------------
+
+    def _on_handshake_message(self, frames: list[bytes]) -> None:
+        raise NotImplementedError
 
     def _on_input_message(self, frames: list[bytes]) -> None:
         raise NotImplementedError
+
+    def _resync(self, now: float) -> float:
+        """Send what is due to ranks the group waits for; return when to look again."""
+        return math.inf
+
+    async def serve_handshake(self) -> None:
+        """Own the handshake ROUTER: answer HELLOs, record READYs (and, natively, send
+        RESYNCs), forever: rejoins can come at any time.
+
+        Cancellation: it stops between messages; a message it took off the socket is
+        answered first (the answer may be lost with the socket)."""
+        zs = self.handshake
+        while True:
+            next_at = self._resync(trio.current_time())
+            batch = zs.receive_nowait()
+            for frames in batch:
+                self._on_handshake_message(frames)
+            if batch:
+                await trio.lowlevel.checkpoint()  # a flood of HELLOs yields per batch
+            with trio.move_on_at(next_at):
+                await zs.wait_readable_or_kicked()
+
+    def _answer_bytes(self, identity: bytes, body: bytes) -> None:
+        """Answer without waiting: one peer that does not read must not hold up the
+        handshake of the others, so an answer that would block is dropped and counted
+        (that peer's HELLO times out on its side and it says HELLO again)."""
+        try:
+            if self.handshake.send_nowait([identity, body]):
+                return
+            cause = "its queue is full"
+        except zmq.ZMQError as exc:  # the engine vanished between its message and ours
+            cause = str(exc)
+        self._dropped_answers += 1
+        self._logs.log(
+            logging.WARNING,
+            "answer-dropped",
+            "handshake: could not answer identity %s: %s",
+            identity.hex(),
+            cause,
+        )
+
+    def _rank_is_up(self, rank: int, detail: str) -> None:
+        log.info("rank %d: up (%s)", rank, detail)
+        self.listener.rank_up(rank)
+        self.ranks_changed.set()
+        self.ranks_changed = trio.Event()
+
+    # -- the input task ---------------------------------------------------------------
 
     async def serve_input(self) -> None:
         """Own the input ROUTER (class docstring), forever."""
@@ -248,8 +416,72 @@ class InputOwner:
         log.warning("rank %d: %s", rank, cause)
         self.listener.send_failed(rank, cause)
 
+    # -- waiting, statistics and closing ----------------------------------------------
 
-class GroupTransport(InputOwner):
+    async def wait_ready(self) -> None:
+        """Wait until every rank is up.
+
+        Cancellation: nothing changes; wrap it in a deadline and raise
+        `self.timeout_error(...)` when it expires."""
+        while not self.state.ready():
+            await self.ranks_changed.wait()
+
+    def timeout_error(self, timeout: float) -> HandshakeTimeout:
+        return HandshakeTimeout(self.state.missing(), list(self.state.rejected), timeout)
+
+    def _counters(self) -> dict[str, int]:
+        """The dialect's own counters of `TransportStatistics` (0 where it has none)."""
+        return {}
+
+    def statistics(self) -> TransportStatistics:
+        extra = self._counters()
+        return TransportStatistics(
+            handshake=self.handshake.statistics(),
+            input=self.input.statistics(),
+            output=self.output.statistics(),
+            rejected_hellos=self.state.rejections,
+            ignored_handshake_messages=self.state.ignored,
+            stale_registers=extra.get("stale_registers", 0),
+            resyncs=extra.get("resyncs", 0),
+            dropped_answers=self._dropped_answers,
+            identity_conflicts=extra.get("identity_conflicts", 0),
+            queued=tuple(self.outbox.queued(r) for r in range(self.size)),
+            input_rounds=self._input_rounds,
+            refused_connections=extra.get("refused_connections", 0),
+            impersonations=extra.get("impersonations", 0),
+        )
+
+    def _closed(self) -> None:
+        """After every socket closed (natively: remove the ipc socket files bound)."""
+
+    async def aclose(self) -> None:
+        """Close after the owning tasks have ended, delivering what is still queued on
+        the input socket, such as ABORTs (§9): the input socket closes with a LINGER
+        of `CLOSE_LINGER`, the others with none, and the context is terminated in a
+        worker thread (`term()` blocks until the LINGER is over or all is delivered).
+
+        Cancellation: shielded; it takes at most `CLOSE_LINGER` seconds."""
+        zs = self.input
+        if not zs.closed:
+            zs.release()  # its owner, the input task, has ended
+            for rank in range(self.size):
+                for frames in self.outbox.take_all(rank):
+                    try:
+                        if not zs.send_nowait(frames):
+                            break  # that engine's pipe is full: the rest is dropped
+                    except zmq.ZMQError:
+                        break  # that engine is gone; its requests are over anyway
+        zs.close(linger=CLOSE_LINGER)
+        for other in self._sockets:
+            other.close()
+        self._sockets = []
+        if self._own_context:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.context.term)
+        self._closed()
+
+
+class GroupTransport(TransportBase):
     """Bound client sockets of one group. Use `open_group_transport`."""
 
     def __init__(
@@ -281,9 +513,7 @@ class GroupTransport(InputOwner):
         self.curve = curve
         self.zap: ZapPolicy | None = None if curve is None else ZapPolicy(curve.rank_of)
         self.binding: PeerBinding | None = None if curve is None else PeerBinding(size)
-        self.listener = listener or TransportListener()
         self._logs = LogLimiter(log)
-        self.send_timeout = send_timeout
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._sockets: list[ZSocket] = []
@@ -322,12 +552,8 @@ class GroupTransport(InputOwner):
             resync_interval=resync_interval,
         )
         self._resyncs = 0
-        self._dropped_answers = 0
-        self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
-        self.outbox: Outbox[list[bytes]] = Outbox(size, send_timeout=send_timeout)
-        self._input_rounds = 0
-        self._identities = [rank_identity(r) for r in range(size)]
-        self.nursery: trio.Nursery | None = None  # set by open_group_transport
+        self._resync_body = encode_handshake(Resync())
+        self._init_base([rank_identity(r) for r in range(size)], listener, send_timeout)
 
     def _router(self, name: str, address: str, max_message_size: int, safety: float) -> ZSocket:
         sock = self.context.socket(zmq.ROUTER)
@@ -384,21 +610,14 @@ class GroupTransport(InputOwner):
         assert isinstance(endpoint, bytes)
         return endpoint.decode()
 
-    # -- sending (any task) -----------------------------------------------------------
+    @property
+    def lockstep(self) -> bool:
+        """The admitted ranks' HELLOs say lockstep (§5)."""
+        return bool(self.state.lockstep)
 
-    def send(self, rank: int, frames: Sequence[bytes]) -> None:
-        """Queue a message for `rank` on the input socket; never blocks. Failures come
-        back through `listener.send_failed`. Raises `trio.ClosedResourceError` once the
-        transport is closed."""
-        if self.input.closed:
-            raise trio.ClosedResourceError("the engine group's sockets are closed")
-        if self.outbox.put(rank, [self._identities[rank], *frames]):
-            self.input.kick()
-
-    def drop_queued(self, rank: int) -> None:
-        """Forget what is queued for `rank`: it was declared dead, and a next
-        incarnation on the same identity must not get the old one's messages."""
-        self.outbox.drop(rank)
+    def publish(self, frames: list[bytes]) -> None:
+        """The native wire has no publication socket: WAKEs go to each rank."""
+        raise RuntimeError("the native wire publishes nothing (Wire.wake_published is False)")
 
     # -- the owning tasks -------------------------------------------------------------
 
@@ -409,27 +628,18 @@ class GroupTransport(InputOwner):
         if resync:
             self.handshake.kick()
 
-    async def serve_handshake(self) -> None:
-        """Own the handshake ROUTER: answer HELLOs, record READYs, send RESYNCs, forever.
-
-        Cancellation: it stops between messages; a message it took off the socket is
-        answered first (the answer may be lost with the socket)."""
+    def _resync(self, now: float) -> float:
+        """RESYNC every rank the group waits for that is due (§2.5); a RESYNC to an
+        identity that is not connected fails with EHOSTUNREACH and is ignored."""
         zs = self.handshake
-        resync = encode_handshake(Resync())
-        while True:
-            for rank in self.state.resync_due(trio.current_time()):
-                try:
-                    if zs.send_nowait([rank_identity(rank), resync]):
-                        self._resyncs += 1
-                except zmq.ZMQError:
-                    pass  # not connected (yet): the next RESYNC may find it
-            batch = zs.receive_nowait()
-            for frames in batch:
-                self._on_handshake_message(frames)
-            if batch:
-                await trio.lowlevel.checkpoint()  # a flood of HELLOs yields per batch
-            with trio.move_on_at(self.state.next_resync()):
-                await zs.wait_readable_or_kicked()
+        for rank in self.state.resync_due(now):
+            try:
+                if zs.send_nowait([rank_identity(rank), self._resync_body]):
+                    self._resyncs += 1
+            except zmq.ZMQError:
+                pass  # not connected (yet): the next RESYNC may find it
+        next_at: float = self.state.next_resync()
+        return next_at
 
     def _on_handshake_message(self, frames: list[bytes]) -> None:
         """One message on the handshake socket. HELLO and READY are answered (an invalid
@@ -519,31 +729,12 @@ class GroupTransport(InputOwner):
             self._answer(identity, verdict)
 
     def _answer(self, identity: bytes, reply: Init | Reject) -> None:
-        """Answer without waiting: one peer that does not read must not hold up the
-        handshake of the others, so an answer that would block is dropped and counted
-        (that peer's HELLO times out on its side and it says HELLO again)."""
-        try:
-            if self.handshake.send_nowait([identity, encode_handshake(reply)]):
-                return
-            cause = "its queue is full"
-        except zmq.ZMQError as exc:  # the engine vanished between its message and ours
-            cause = str(exc)
-        self._dropped_answers += 1
-        self._logs.log(
-            logging.WARNING,
-            "answer-dropped",
-            "handshake: could not answer identity %s: %s",
-            identity.hex(),
-            cause,
-        )
+        self._answer_bytes(identity, encode_handshake(reply))
 
     def _rank_up(self, identity: bytes) -> None:
         rank = identity_rank(identity)
         assert rank is not None
-        log.info("rank %d: up (info %r)", rank, self.state.info(rank))
-        self.listener.rank_up(rank)
-        self.ranks_changed.set()
-        self.ranks_changed = trio.Event()
+        self._rank_is_up(rank, f"epoch {self.state.epoch(rank)}, info {self.state.info(rank)!r}")
 
     def _on_input_message(self, frames: list[bytes]) -> None:
         if len(frames) == 2:
@@ -571,35 +762,16 @@ class GroupTransport(InputOwner):
             frames[0].hex(),
         )
 
-    # -- waiting and closing ----------------------------------------------------------
+    # -- statistics and closing -------------------------------------------------------
 
-    async def wait_ready(self) -> None:
-        """Wait until every rank is up.
-
-        Cancellation: nothing changes; wrap it in a deadline and raise
-        `self.timeout_error(...)` when it expires."""
-        while not self.state.ready():
-            await self.ranks_changed.wait()
-
-    def timeout_error(self, timeout: float) -> HandshakeTimeout:
-        return HandshakeTimeout(self.state.missing(), list(self.state.rejected), timeout)
-
-    def statistics(self) -> TransportStatistics:
-        return TransportStatistics(
-            handshake=self.handshake.statistics(),
-            input=self.input.statistics(),
-            output=self.output.statistics(),
-            rejected_hellos=self.state.rejections,
-            ignored_handshake_messages=self.state.ignored,
-            stale_registers=self.state.stale_registers,
-            resyncs=self._resyncs,
-            dropped_answers=self._dropped_answers,
-            identity_conflicts=self.state.identity_conflicts,
-            queued=tuple(self.outbox.queued(r) for r in range(self.size)),
-            input_rounds=self._input_rounds,
-            refused_connections=0 if self.zap is None else self.zap.refused,
-            impersonations=0 if self.binding is None else self.binding.impersonations,
-        )
+    def _counters(self) -> dict[str, int]:
+        return {
+            "stale_registers": self.state.stale_registers,
+            "resyncs": self._resyncs,
+            "identity_conflicts": self.state.identity_conflicts,
+            "refused_connections": 0 if self.zap is None else self.zap.refused,
+            "impersonations": 0 if self.binding is None else self.binding.impersonations,
+        }
 
     def _close_sockets(self) -> None:
         for zs in self._sockets:
@@ -614,30 +786,7 @@ class GroupTransport(InputOwner):
         if self._bound:
             remove_socket_files(self.address)
 
-    async def aclose(self) -> None:
-        """Close after the owning tasks have ended, delivering what is still queued on
-        the input socket, such as ABORTs (§9): the input socket closes with a LINGER
-        of `CLOSE_LINGER`, the others with none, and the context is terminated in a
-        worker thread (`term()` blocks until the LINGER is over or all is delivered).
-
-        Cancellation: shielded; it takes at most `CLOSE_LINGER` seconds."""
-        zs = self.input
-        if not zs.closed:
-            zs.release()  # its owner, the input task, has ended
-            for rank in range(self.size):
-                for frames in self.outbox.take_all(rank):
-                    try:
-                        if not zs.send_nowait(frames):
-                            break  # that engine's pipe is full: the rest is dropped
-                    except zmq.ZMQError:
-                        break  # that engine is gone; its requests are over anyway
-        zs.close(linger=CLOSE_LINGER)
-        for other in self._sockets:
-            other.close()
-        self._sockets = []
-        if self._own_context:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self.context.term)
+    def _closed(self) -> None:
         if self._bound:
             remove_socket_files(self.address)
 

@@ -83,24 +83,25 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import outcome
 import trio
 
 from ._core.errors import GroupClosed
 from ._core.messages import Output
-from ._core.state import DEFAULT_MAX_MESSAGE_SIZE
+from ._transport import NATIVE, GroupDialect
 from ._util import NoPublicConstructor, collapse, open_service_nursery
-from .client import EngineGroup, EngineInfo, GroupHealth, GroupStatistics, RankState, Request
-from .keys import ClientKeys
+from .client import EngineGroup
 from .stream import RequestStream
+from .values import ConnectOptions, EngineInfo, GroupHealth, GroupStatistics, RankState
 
 __all__ = ["AsyncioEngineGroup", "AsyncioRequestStream"]
 
 log = logging.getLogger("zmqdp")
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class AsyncioRequestStream(RequestStream):
@@ -213,13 +214,15 @@ class _Guest:
         """Done once the run has ended."""
         self.running = False
         self.close_requested = False
-        self.group: EngineGroup | None = None
+        self.group: EngineGroup[Any] | None = None
         self.nursery: trio.Nursery | None = None
         self.result: outcome.Outcome[None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
-    async def start(self, url: str, engines: int, kwargs: dict[str, Any]) -> EngineGroup:
+    async def start(
+        self, url: str, engines: int, dialect: GroupDialect[R], options: ConnectOptions
+    ) -> EngineGroup[R]:
         """Start the guest run and wait until its group is connected; raise what
         connecting raised. Cancellation: the trio side is cancelled, and this returns
         (raising `CancelledError`) once the guest run has ended."""
@@ -232,7 +235,8 @@ class _Guest:
             self._main,
             url,
             engines,
-            kwargs,
+            dialect,
+            options,
             run_sync_soon_threadsafe=self.loop.call_soon_threadsafe,
             run_sync_soon_not_threadsafe=self.loop.call_soon,
             done_callback=self._done,
@@ -248,15 +252,18 @@ class _Guest:
         if self.group is None or not self.running:
             await self.wait_finished()
             raise self.failure() or self.closed_error()
-        return self.group
+        return cast(EngineGroup[R], self.group)
 
-    async def _main(self, url: str, engines: int, kwargs: dict[str, Any]) -> None:
+    async def _main(
+        self, url: str, engines: int, dialect: GroupDialect[Any], options: ConnectOptions
+    ) -> None:
         with self.scope:
             async with (
                 open_service_nursery() as nursery,
-                EngineGroup.connect(url, engines, **kwargs) as group,
+                EngineGroup.open(
+                    url, engines, dialect, options, stream_class=AsyncioRequestStream
+                ) as group,
             ):
-                group._stream_class = AsyncioRequestStream
                 self.group = group
                 self.nursery = nursery
                 self.changed.set_result(None)
@@ -376,12 +383,12 @@ class _Guest:
                 future.set_exception(self.closed_error())
 
 
-class AsyncioEngineGroup(metaclass=NoPublicConstructor):
+class AsyncioEngineGroup(Generic[R], metaclass=NoPublicConstructor):
     """The client of one engine group, for asyncio code: `EngineGroup`'s API with
-    asyncio coroutines and streams (module docstring). Create it with
+    asyncio coroutines and streams (module docstring), on any wire. Create it with
     `AsyncioEngineGroup.connect`."""
 
-    def __init__(self, group: EngineGroup, guest: _Guest) -> None:
+    def __init__(self, group: EngineGroup[R], guest: _Guest) -> None:
         self._group = group
         self._guest = guest
         self.size = group.size
@@ -396,20 +403,15 @@ class AsyncioEngineGroup(metaclass=NoPublicConstructor):
         url: str,
         engines: int,
         *,
-        ready_timeout: float = 60.0,
-        silence_timeout: float = 30.0,
-        send_timeout: float = 10.0,
-        stall_timeout: float = 5.0,
-        advertise_host: str | None = None,
-        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-        max_buffered: int | None = None,
-        max_inflight: int | Literal["info"] | None = None,
-        request_timeout: float | None = None,
-        curve: ClientKeys | None = None,
-        insecure: bool = False,
-    ) -> AsyncIterator[AsyncioEngineGroup]:
+        dialect: GroupDialect[Any] = NATIVE,
+        options: ConnectOptions | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AsyncioEngineGroup[Any]]:
         """Start trio as a guest of the running loop, bind the group URL, wait for all
-        `engines` ranks, and serve them. The arguments are `EngineGroup.connect`'s.
+        `engines` ranks, and serve them. `dialect`: `zmqdp.NATIVE` (native engines,
+        `Request`s) or `zmqdp.vllm.dialect(moe=...)` (vLLM engine cores,
+        `VllmRequest`s). The other keyword arguments are `zmqdp.ConnectOptions`'s
+        (or pass one as `options`), as for `EngineGroup.connect`.
 
         Raises `HandshakeTimeout` if the group is not ready in `ready_timeout` s, and
         whatever else `EngineGroup.connect` raises, as one plain exception.
@@ -422,21 +424,12 @@ class AsyncioEngineGroup(metaclass=NoPublicConstructor):
         and raises `CancelledError` once the guest run has ended: nothing is left
         running. Cancelled inside the block, it closes as above.
         """
-        kwargs: dict[str, Any] = {
-            "ready_timeout": ready_timeout,
-            "silence_timeout": silence_timeout,
-            "send_timeout": send_timeout,
-            "stall_timeout": stall_timeout,
-            "advertise_host": advertise_host,
-            "max_message_size": max_message_size,
-            "max_buffered": max_buffered,
-            "max_inflight": max_inflight,
-            "request_timeout": request_timeout,
-            "curve": curve,
-            "insecure": insecure,
-        }
+        if options is None:
+            options = ConnectOptions(**kwargs)
+        elif kwargs:
+            raise TypeError("pass the options either as `options=` or as keywords, not both")
         guest = _Guest(asyncio.get_running_loop())
-        group = await guest.start(url, engines, kwargs)
+        group = await guest.start(url, engines, dialect, options)
         try:
             yield cls._create(group, guest)
         except BaseException as exc:
@@ -477,7 +470,7 @@ class AsyncioEngineGroup(metaclass=NoPublicConstructor):
 
     # -- requests ---------------------------------------------------------------------
 
-    def submit(self, request: Request) -> AsyncioRequestStream:
+    def submit(self, request: R) -> AsyncioRequestStream:
         """Send a request; return its stream (use it with `async with` at once).
 
         Never blocks. Raises `Overloaded` (admission control: no room, see
@@ -488,10 +481,10 @@ class AsyncioEngineGroup(metaclass=NoPublicConstructor):
         guest = self._guest
         guest.check_thread()
         if not guest.running:  # no trio run left to ask the time
-            raise guest.closed_error(str(request.id))
+            raise guest.closed_error(str(getattr(request, "id", request)))
         return cast(AsyncioRequestStream, self._group.submit(request))
 
-    async def wait_submit(self, request: Request) -> AsyncioRequestStream:
+    async def wait_submit(self, request: R) -> AsyncioRequestStream:
         """`submit`, waiting for room while admission control refuses it: waiters are
         admitted first come, first served (a plain `submit` that finds room takes it).
         Raises what `submit` raises, except `Overloaded`; `GroupDraining` if the group
@@ -504,9 +497,9 @@ class AsyncioEngineGroup(metaclass=NoPublicConstructor):
         """
         guest, group = self._guest, self._group
         guest.check_thread()
-        if not guest.running or (not group._waiters and group._room_for(request.rank)):
+        if not guest.running or group.would_admit(getattr(request, "rank", None)):
             return self.submit(request)  # nobody queued ahead: no trio task needed
-        stream = await self._guest.run(group.wait_submit, request, late=group._close_stream)
+        stream = await self._guest.run(group.wait_submit, request, late=RequestStream.close_nowait)
         return cast(AsyncioRequestStream, stream)
 
     async def abort(self, request_id: str) -> None:
@@ -518,7 +511,7 @@ class AsyncioEngineGroup(metaclass=NoPublicConstructor):
         """
         self._guest.check_thread()
         if self._guest.running:
-            self._group._abort(request_id, None)
+            self._group.abort_nowait(request_id)
         await asyncio.sleep(0)
 
     async def call(self, rank: int, method: str, *args: Any, timeout: float = 10.0) -> Any:  # noqa: ASYNC109

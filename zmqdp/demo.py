@@ -90,7 +90,9 @@ def _mock_args(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-async def _workload(group: EngineGroup, args: argparse.Namespace, run: Run, progress: Any) -> None:
+async def _workload(
+    group: EngineGroup[Request], args: argparse.Namespace, run: Run, progress: Any
+) -> None:
     rng = random.Random(args.seed)
     limiter = trio.CapacityLimiter(args.concurrency)
     task = progress.add_task("requests", total=args.requests) if progress else None

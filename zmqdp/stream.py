@@ -165,6 +165,11 @@ class RequestStream(metaclass=NoPublicConstructor):
 
         Cancellation: the abort is a synchronous queue operation; it always happens.
         """
+        self.close_nowait()
+
+    def close_nowait(self) -> None:
+        """What leaving the `async with` does: abort the request on its rank if it is
+        still live (once; a no-op after it ended)."""
         if not self._done:
             self._on_close(self)
 

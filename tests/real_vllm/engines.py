@@ -6,7 +6,7 @@ README recommends for fault isolation: with both ranks in one headless process, 
 process manager SIGTERMs the survivor when one engine dies. Each process's output goes to
 a log file, named in every failure.
 
-`GroupHost` keeps one `VllmEngineGroup` connected for a whole test module. vLLM engines
+`GroupHost` keeps one `zmqdp.vllm.connect`'s group connected for a whole test module. vLLM engines
 do the handshake once (a second client cannot reuse them), and start-up takes 40-140 s
 here, so the group cannot be remade per test: it runs in its own thread under
 `trio.run`, and the (synchronous) tests hand it coroutines with `host.run(afn)`, each
@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from zmqdp.vllm import VllmEngineGroup
+import zmqdp.vllm
+from zmqdp.vllm import VllmGroup
 
 T = TypeVar("T")
 
@@ -182,12 +183,12 @@ class EngineProcs:
 
 
 class GroupHost:
-    """A `VllmEngineGroup` connected in a thread of its own, for synchronous tests."""
+    """A `zmqdp.vllm.connect`'s group connected in a thread of its own, for synchronous tests."""
 
     def __init__(self, engines: EngineProcs, **connect_kw: Any) -> None:
         self.engines = engines
         self.connect_kw = connect_kw
-        self.group: VllmEngineGroup | None = None
+        self.group: VllmGroup | None = None
         self.error: BaseException | None = None
         self.connect_seconds = 0.0
         self._token: trio.lowlevel.TrioToken | None = None
@@ -217,7 +218,7 @@ class GroupHost:
         self._stop = trio.Event()
         t0 = time.monotonic()
         engines = self.engines
-        async with VllmEngineGroup.connect(engines.url, engines.size, **self.connect_kw) as g:
+        async with zmqdp.vllm.connect(engines.url, engines.size, **self.connect_kw) as g:
             self.connect_seconds = time.monotonic() - t0
             self.group = g
             self._ready.set()

@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from zmqdp.vllm import SamplingParams, VllmEngineGroup, VllmOutput, VllmRequest
-from zmqdp.vllm._wire import ABORT
+from zmqdp.vllm import SamplingParams, VllmGroup, VllmOutput, VllmRequest
+from zmqdp.vllm.codec import ABORT
 
 EOS = 0  # tools/realvllm/make_models.py: <|endoftext|>
 VOCAB = 1024
@@ -41,7 +41,7 @@ def request(
     )
 
 
-async def collect(group: VllmEngineGroup, r: VllmRequest, *, limit: int | None = None) -> Result:
+async def collect(group: VllmGroup, r: VllmRequest, *, limit: int | None = None) -> Result:
     """Read `r`'s stream to its end (or `limit` outputs, then leave: an abort). An error
     is kept in `Result.error`, not raised."""
     result = Result(None)
@@ -64,7 +64,7 @@ async def collect(group: VllmEngineGroup, r: VllmRequest, *, limit: int | None =
 class AbortSpy:
     """Records the request ids of every ABORT the client queues, per rank."""
 
-    def __init__(self, group: VllmEngineGroup) -> None:
+    def __init__(self, group: VllmGroup) -> None:
         self.aborts: list[tuple[int, list[str]]] = []
         transport = group._transport
         self._transport = transport

@@ -1,5 +1,5 @@
 """Real vLLM engine cores, dense model, DP=2 (one rank per process), driven by
-`VllmEngineGroup`: streaming, pinning, least-loaded spread, aborts, utility calls,
+`zmqdp.vllm.connect`'s group: streaming, pinning, least-loaded spread, aborts, utility calls,
 sampling, length limits, stop tokens and EOS, deadlines and drain. The tests share one
 group (real engines do the handshake once); the last one drains and closes it."""
 
@@ -22,7 +22,7 @@ from zmqdp import (
     RankState,
     RequestTimeout,
 )
-from zmqdp.vllm import VllmEngineGroup
+from zmqdp.vllm import VllmGroup
 
 from .engines import MAX_MODEL_LEN, MAX_NUM_SEQS, EngineProcs, GroupHost, running_group
 from .helpers import EOS, PROMPT, AbortSpy, Result, collect, request
@@ -35,7 +35,7 @@ def dense(vllm_venv: Path, models: Path, engine_logs: Path) -> Iterator[GroupHos
         yield host
 
 
-async def _greedy(group: VllmEngineGroup, rank: int, n: int = 24) -> list[int]:
+async def _greedy(group: VllmGroup, rank: int, n: int = 24) -> list[int]:
     r = await collect(group, request(f"greedy-{rank}-{n}", n, rank=rank, eos=None))
     assert r.error is None and r.finish == "length", r
     return r.tokens
@@ -65,7 +65,7 @@ def test_a_request_streams_its_tokens_to_the_length_limit(dense: GroupHost) -> N
 
 
 def test_pinned_requests_run_on_their_rank(dense: GroupHost) -> None:
-    async def run(group: VllmEngineGroup) -> list[Result]:
+    async def run(group: VllmGroup) -> list[Result]:
         out: list[Result] = []
         for rank in (0, 1, 1, 0):
             out.append(await collect(group, request(f"pin-{len(out)}", 4, rank=rank)))
@@ -77,7 +77,7 @@ def test_pinned_requests_run_on_their_rank(dense: GroupHost) -> None:
 
 
 def test_unpinned_requests_spread_over_both_ranks(dense: GroupHost) -> None:
-    async def run(group: VllmEngineGroup) -> list[Result]:
+    async def run(group: VllmGroup) -> list[Result]:
         results: list[Result] = []
 
         async def one(i: int) -> None:
@@ -97,7 +97,7 @@ def test_unpinned_requests_spread_over_both_ranks(dense: GroupHost) -> None:
 def test_more_requests_than_max_num_seqs_all_finish(dense: GroupHost) -> None:
     """Twice the engines' batch size at once: the engines queue the rest."""
 
-    async def run(group: VllmEngineGroup) -> list[Result]:
+    async def run(group: VllmGroup) -> list[Result]:
         results: list[Result] = []
 
         async def one(i: int) -> None:
@@ -120,7 +120,7 @@ def test_abort_sends_one_abort_and_the_engine_stops(dense: GroupHost) -> None:
     second `abort()` sends nothing, and the engine stops it (its next load report,
     with the terminal output of a short request, shows nothing running)."""
 
-    async def run(group: VllmEngineGroup) -> tuple[Result, str, list[int], Result, int]:
+    async def run(group: VllmGroup) -> tuple[Result, str, list[int], Result, int]:
         spy = AbortSpy(group)
         try:
             r = Result(None)
@@ -145,7 +145,7 @@ def test_abort_sends_one_abort_and_the_engine_stops(dense: GroupHost) -> None:
 
 
 def test_utility_calls(dense: GroupHost) -> None:
-    async def run(group: VllmEngineGroup) -> tuple[object, object, BaseException | None]:
+    async def run(group: VllmGroup) -> tuple[object, object, BaseException | None]:
         sleeping = await group.call(0, "is_sleeping", timeout=30)
         other = await group.call(1, "is_sleeping", timeout=30)
         try:
@@ -165,7 +165,7 @@ def test_a_utility_call_to_a_stopped_engine_times_out(dense: GroupHost) -> None:
     the late reply is dropped and the next call answers."""
     pid = dense.engines.engine_core_pid(1)
 
-    async def stopped(group: VllmEngineGroup) -> BaseException | None:
+    async def stopped(group: VllmGroup) -> BaseException | None:
         try:
             await group.call(1, "is_sleeping", timeout=2.0)
         except CallTimeout as exc:
@@ -179,7 +179,7 @@ def test_a_utility_call_to_a_stopped_engine_times_out(dense: GroupHost) -> None:
         os.kill(pid, signal.SIGCONT)
     assert isinstance(error, CallTimeout) and "rank 1" in str(error)
 
-    async def again(group: VllmEngineGroup) -> object:
+    async def again(group: VllmGroup) -> object:
         return await group.call(1, "is_sleeping", timeout=30)
 
     assert dense.run(again) is False
@@ -187,7 +187,7 @@ def test_a_utility_call_to_a_stopped_engine_times_out(dense: GroupHost) -> None:
 
 
 def test_seeded_sampling_is_equal_across_ranks(dense: GroupHost) -> None:
-    async def run(group: VllmEngineGroup) -> list[list[int]]:
+    async def run(group: VllmGroup) -> list[list[int]]:
         out = []
         for rank, seed in ((0, 1234), (1, 1234), (0, 99)):
             r = await collect(
@@ -214,7 +214,7 @@ def test_stop_token_and_eos(dense: GroupHost) -> None:
     """Stop on a token the greedy output is known to produce: as a stop token (stop
     reason = the id) and as the EOS token (stop reason None); `ignore_eos` runs on."""
 
-    async def run(group: VllmEngineGroup) -> tuple[list[int], Result, Result, Result]:
+    async def run(group: VllmGroup) -> tuple[list[int], Result, Result, Result]:
         greedy = await _greedy(group, 0)
         stop_id = next(t for t in greedy[1:] if t != greedy[0])
         by_stop = await collect(
@@ -244,7 +244,7 @@ def test_eos_of_the_model_is_honoured(dense: GroupHost) -> None:
 
 
 def test_a_deadline_aborts_the_request_on_its_engine(dense: GroupHost) -> None:
-    async def run(group: VllmEngineGroup) -> tuple[Result, list[int], Result, int]:
+    async def run(group: VllmGroup) -> tuple[Result, list[int], Result, int]:
         spy = AbortSpy(group)
         try:
             r = request("deadline", 400, rank=0, eos=None)
@@ -264,7 +264,7 @@ def test_a_deadline_aborts_the_request_on_its_engine(dense: GroupHost) -> None:
 
 
 def test_prompt_limits_follow_the_engines_max_model_len(dense: GroupHost) -> None:
-    async def run(group: VllmEngineGroup) -> tuple[BaseException | None, Result]:
+    async def run(group: VllmGroup) -> tuple[BaseException | None, Result]:
         too_long: BaseException | None = None
         try:
             group.submit(request("too-long", 4, prompt=[5] * MAX_MODEL_LEN))
@@ -281,7 +281,7 @@ def test_prompt_limits_follow_the_engines_max_model_len(dense: GroupHost) -> Non
 
 
 def test_other_utilities_and_load_reports(dense: GroupHost) -> None:
-    async def run(group: VllmEngineGroup) -> tuple[object, object]:
+    async def run(group: VllmGroup) -> tuple[object, object]:
         reset = await group.call(0, "reset_prefix_cache", timeout=30)
         r = await collect(group, request("load", 8, rank=1, eos=None))
         assert r.error is None
@@ -295,7 +295,7 @@ def test_other_utilities_and_load_reports(dense: GroupHost) -> None:
 def test_drain_lets_live_requests_finish_then_closes(dense: GroupHost) -> None:
     """The last test of the module: it closes the group."""
 
-    async def run(group: VllmEngineGroup) -> tuple[list[Result], BaseException | None]:
+    async def run(group: VllmGroup) -> tuple[list[Result], BaseException | None]:
         results: list[Result] = []
         refused: BaseException | None = None
         started = trio.Event()

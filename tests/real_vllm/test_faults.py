@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from zmqdp import EngineDead, GroupClosed, RankState
-from zmqdp.vllm import VllmEngineGroup
+from zmqdp.vllm import VllmGroup
 
 from .engines import EngineProcs, GroupHost, running_group
 from .helpers import VOCAB, Result, collect, request
@@ -28,7 +28,7 @@ def faulty(vllm_venv: Path, models: Path, engine_logs: Path) -> Iterator[GroupHo
 
 
 async def _run_both(
-    group: VllmEngineGroup, prefix: str, n: int, max_tokens: int, started: trio.Event | None = None
+    group: VllmGroup, prefix: str, n: int, max_tokens: int, started: trio.Event | None = None
 ) -> list[Result]:
     """`n` long requests pinned to each rank, concurrently; `started` is set once each
     has its first output."""
@@ -67,7 +67,7 @@ def test_sigkill_of_one_engine_core_fails_only_its_requests(faulty: GroupHost) -
     started = trio.Event()
     outcome: dict[str, list[Result]] = {}
 
-    async def run(group: VllmEngineGroup) -> None:
+    async def run(group: VllmGroup) -> None:
         async with trio.open_nursery() as nursery:
 
             async def load() -> None:
@@ -99,7 +99,7 @@ def test_a_restarted_engine_rejoins_without_a_new_client(faulty: GroupHost) -> N
     engines.stop(1)  # the killed core's parent process, if it is still there
     engines.start(1)
 
-    async def run(group: VllmEngineGroup) -> list[Result]:
+    async def run(group: VllmGroup) -> list[Result]:
         await group.rank_state(1).wait_value(RankState.UP)
         return [await collect(group, request(f"rejoined-{r}", 6, rank=r, eos=None)) for r in (1, 0)]
 
@@ -114,7 +114,7 @@ def test_an_engine_side_fatal_error_ends_every_request(faulty: GroupHost) -> Non
     whole group: every live request ends with `GroupClosed` naming the sentinel, and
     new submits are refused. (Per-rank attribution is the liveness issue's work.)"""
 
-    async def run(group: VllmEngineGroup) -> tuple[list[Result], Result, BaseException | None]:
+    async def run(group: VllmGroup) -> tuple[list[Result], Result, BaseException | None]:
         results: list[Result] = []
         bad = Result(1)
         started = trio.Event()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from zmqdp.vllm import VllmEngineGroup
+from zmqdp.vllm import VllmGroup
 
 from .engines import EngineProcs, GroupHost, running_group
 from .helpers import Result, collect, request
@@ -26,7 +26,7 @@ def moe(vllm_venv: Path, models: Path, engine_logs: Path) -> Iterator[GroupHost]
         yield host
 
 
-async def _parked(group: VllmEngineGroup, since: int) -> int:
+async def _parked(group: VllmGroup, since: int) -> int:
     """Wait until rank 0 reports a wave complete after `since` (the group parked)."""
     value = await group.wave.wait_value(lambda w: w is not None and w > since)
     assert value is not None
@@ -43,7 +43,7 @@ def test_the_init_names_no_coordination_store(moe: GroupHost) -> None:
 
 
 def test_a_pinned_request_from_an_idle_group_reaches_each_rank(moe: GroupHost) -> None:
-    async def run(group: VllmEngineGroup) -> list[Result]:
+    async def run(group: VllmGroup) -> list[Result]:
         out = []
         for rank in (0, 1, 1, 0):
             wave = group.wave.value
@@ -63,7 +63,7 @@ def test_a_pinned_request_from_an_idle_group_reaches_each_rank(moe: GroupHost) -
 
 
 def test_burst_and_idle_cycles_never_hang(moe: GroupHost) -> None:
-    async def cycle(group: VllmEngineGroup, n: int) -> list[Result]:
+    async def cycle(group: VllmGroup, n: int) -> list[Result]:
         results: list[Result] = []
         wave = group.wave.value
         assert wave is not None

@@ -51,7 +51,7 @@ import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import ProtocolError, quote
 from .messages import PROTOCOL_VERSION, Hello, Init, Reject
@@ -109,6 +109,43 @@ class HelloVerdict:
     """The rank had been admitted: its previous incarnation is dead."""
     conflict: float | None = None
     """A new identity-conflict episode (report it): the seconds its three HELLOs took."""
+
+
+class Handshake(Protocol):
+    """What the client reads of a handshake, on any wire (`HandshakeState` natively,
+    `zmqdp.vllm.handshake.VllmHandshake` on vLLM's)."""
+
+    def info(self, rank: int) -> dict[str, Any]:
+        """The rank's free-form handshake metadata (READY info, vLLM's ready response)."""
+        ...
+
+    def epoch(self, rank: int) -> int | None:
+        """The current incarnation's epoch (§2.3); None where the wire has none."""
+        ...
+
+    def wave(self, rank: int) -> int | None:
+        """The wave its HELLO said (lockstep, §5); None if none."""
+        ...
+
+    def engine_max_message_size(self, rank: int) -> int | None:
+        """What the rank said it accepts (None: the default)."""
+        ...
+
+    def hello_wave(self) -> int:
+        """The highest HELLO wave of the admitted ranks (the clock starts there)."""
+        ...
+
+    def version(self, rank: int) -> str | None:
+        """The protocol version spoken with the rank's incarnation."""
+        ...
+
+    def ready(self) -> bool:
+        """Every rank is up."""
+        ...
+
+    def missing(self) -> dict[int, str]:
+        """Why each rank that is not up is not (for `HandshakeTimeout`)."""
+        ...
 
 
 class HandshakeState:
@@ -315,6 +352,14 @@ class HandshakeState:
 
     def wave(self, rank: int) -> int | None:
         return self._ranks[rank].wave
+
+    def version(self, rank: int) -> str | None:
+        """docs/protocol.md's revision the rank's HELLO spoke: "2" with an epoch, "1"
+        without; None before its HELLO."""
+        r = self._ranks[rank]
+        if r.phase is RankPhase.MISSING:
+            return None
+        return "1" if r.epoch is None else "2"
 
     def ready(self) -> bool:
         return all(r.phase is RankPhase.UP for r in self._ranks)

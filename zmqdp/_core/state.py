@@ -56,13 +56,16 @@ which says so in its result.
 
 from __future__ import annotations
 
+import collections
 import heapq
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from .codec import BatchDecoder, EntryCursor, decode_batch_sliced, encode_request
+from .codec import BatchDecoder, EntryCursor
+from .effects import Effects
 from .errors import (
     EngineDead,
     GroupClosed,
@@ -70,17 +73,19 @@ from .errors import (
     InvalidRequest,
     Overloaded,
     ProtocolError,
+    RequestAborted,
     RequestTimeout,
+    StreamOverflow,
     StreamTruncated,
     ZmqdpError,
     quote,
 )
-from .handshake import identity_rank
-from .messages import Abort, Add, BadEntry, Output, OutputBatch, Reply
+from .messages import BadEntry, Output, OutputBatch, Reply
 from .metrics import Histogram
 from .requests import BatchEffects, Ended, Outcome, RequestBook
 from .routing import Routing
-from .waves import WaveClock
+from .waves import WAVE_MAX, WaveClock
+from .wire import Incoming, NativeWire, Wire
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
@@ -292,8 +297,14 @@ class GroupCore(Generic[H]):
         silence_timeout: float = 30.0,
         stall_timeout: float = 5.0,
         wave: int = 0,
+        wire: Wire[Any] | None = None,
+        held_limit: int = 4 * DEFAULT_MAX_MESSAGE_SIZE,
     ) -> None:
         self.size = size
+        self.wire: Wire[Any] = NativeWire() if wire is None else wire
+        """The engine protocol (`_core/wire.py`): the codec and its capability flags."""
+        self.held_limit = held_limit
+        """Bytes one rank may have waiting behind its long batch before it is dead."""
         self.lockstep = lockstep
         self.silence_timeout = silence_timeout
         self.stall_timeout = stall_timeout
@@ -314,6 +325,15 @@ class GroupCore(Generic[H]):
         """Per rank: seconds from submit to the first output."""
         self.latency = [Histogram() for _ in range(size)]
         """Per rank: seconds from submit to the terminal output (FINISHED requests)."""
+        self._fx: Effects[H] = Effects()
+        self.wake_rounds = 0
+        """WAKE rounds sent to the whole group (not counting stall WAKEs)."""
+        self._wake_due = False  # a start_wave of this dispatcher pass awaits its WAKE
+        self._wave_seen = wave
+        # the long batches in hand, and the messages held behind them, per rank
+        self._long: dict[int, BatchRest] = {}
+        self._held: dict[int, collections.deque[Incoming]] = {}
+        self._held_bytes: dict[int, int] = {}
 
     # -- ranks ------------------------------------------------------------------------
 
@@ -425,15 +445,16 @@ class GroupCore(Generic[H]):
             out.append(self.encode_abort(tuple(chunk)))
         return out
 
-    # -- the wire (a dialect overrides these: zmqdp.vllm) ------------------------------
+    # -- the wire ---------------------------------------------------------------------
 
     def encode_add(self, wire_id: str, body: Any) -> tuple[bytes, bytes]:
         """The frames of an ADD; raises `ProtocolError` if `body` has no wire form."""
-        return encode_request(Add(wire_id, body))
+        clock = self.clock
+        return self.wire.encode_add(wire_id, body, clock.wave if clock is not None else 0)
 
     def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
         """The frames of an ABORT of these wire ids."""
-        return encode_request(Abort(wire_ids))
+        return self.wire.encode_abort(wire_ids)
 
     def ending_error(self, ended: Ended[H]) -> ZmqdpError | None:
         """What the stream of a request that ended on the engine's side raises after its
@@ -538,23 +559,38 @@ class GroupCore(Generic[H]):
     # -- dispatcher -------------------------------------------------------------------
 
     def on_message(self, frames: list[bytes], now: float) -> tuple[int | None, BatchResult[H]]:
-        """One message from the output ROUTER: `[identity, body]`. Returns the rank it
-        came from (None if the identity names none) and what to do."""
-        rank = identity_rank(frames[0]) if frames else None
-        if rank is None or rank >= self.size:
+        """One message from the output socket, as the wire reads it (`Wire.read`).
+        Returns the rank it came from (None if it names none) and what to do."""
+        return self.on_incoming(self.wire.read(frames, self.size), now)
+
+    def on_incoming(self, msg: Incoming, now: float) -> tuple[int | None, BatchResult[H]]:
+        rank = msg.rank
+        if rank is None:
+            if msg.group_dead is not None:
+                return None, BatchResult(dead=msg.group_dead)
             self.counters.protocol_errors += 1
-            who = frames[0].hex() if frames else "?"
-            return None, BatchResult(
-                error=ProtocolError(f"output: a message from identity {who}, which is no rank")
-            )
-        if len(frames) != 2:
-            if not self.is_up(rank):
-                self.counters.stale_messages += 1
-                return rank, BatchResult()
-            return rank, self._connection_error(
-                rank, ProtocolError(f"a message of {len(frames) - 1} frames, not 1")
-            )
-        return rank, self.on_batch(rank, frames[1], now)
+            return None, BatchResult(error=msg.error)
+        if msg.body is not None:
+            return rank, self.on_batch(rank, msg.body, now)
+        if not self.is_up(rank):
+            self.counters.stale_messages += 1
+            return rank, BatchResult()
+        if msg.error is not None:
+            return rank, self._connection_error(rank, msg.error)
+        batch = msg.batch
+        assert batch is not None
+        health = self.health[rank]
+        for name, wave in (
+            ("wave_complete", batch.wave_complete),
+            ("start_wave", batch.start_wave),
+        ):
+            if wave is not None and not 0 <= wave <= WAVE_MAX:
+                # A wave the clock would adopt and WAKE everyone with, past what the wire
+                # can carry (docs/protocol.md §1): the message is invalid.
+                return rank, self._connection_error(
+                    rank, ProtocolError(f"{name} {wave} is outside 0..2**63-1")
+                )
+        return rank, self._apply(rank, health, batch, BatchRest(rank, health), now)
 
     def on_batch(self, rank: int, body: bytes, now: float) -> BatchResult[H]:
         """One output batch body from identity `rank` (already checked to be in range).
@@ -565,7 +601,7 @@ class GroupCore(Generic[H]):
             return BatchResult()
         if len(body) >= self.incremental_bytes:
             try:
-                decoder = BatchDecoder(body, self._junk_judge(rank))
+                decoder = self.wire.batch_decoder(body, self._junk_judge(rank))
             except ProtocolError as exc:
                 return self._connection_error(rank, exc)
             return self.continue_batch(BatchRest(rank, health, decoder=decoder), now)
@@ -612,7 +648,7 @@ class GroupCore(Generic[H]):
 
     def _decode(self, body: bytes) -> tuple[OutputBatch, EntryCursor | None]:
         """Raises `ProtocolError` only for a connection error (§7)."""
-        return decode_batch_sliced(body, self.slice_entries)
+        return self.wire.decode_batch(body, self.slice_entries)
 
     def _decoded(
         self,
@@ -833,3 +869,244 @@ class GroupCore(Generic[H]):
                 self.counters.stall_wakes += 1
                 wake = self.clock.wave
         return dead, wake
+
+    # -- the facade: facts in, one `Effects` out -----------------------------------------
+    #
+    # The trio layer calls only these (and `submit`, whose one effect, the ADD, it
+    # returns directly: the hot path), then carries out `take_effects()`. The methods
+    # above are the rules they are built from; the property tests drive those directly.
+
+    def take_effects(self) -> Effects[H]:
+        """What the facts since the last call decided (module `effects`)."""
+        fx = self._fx
+        self._fx = Effects()
+        return fx
+
+    def on_rank_up(
+        self,
+        rank: int,
+        now: float,
+        *,
+        epoch: int | None = None,
+        hello_wave: int | None = None,
+        max_message_size: int | None = None,
+        cap: int | None = None,
+    ) -> None:
+        """A new incarnation of `rank` finished its handshake: it takes requests."""
+        if self.closed is not None:
+            return
+        self.rank_up(
+            rank, now, epoch=epoch, hello_wave=hello_wave, max_message_size=max_message_size
+        )
+        self.routing.set_cap(rank, cap)
+        self._fx.rank_state(rank, True)
+
+    def on_rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
+        """`rank` is dead (a failed send, a rejoin, a displaced identity, silence, an
+        invalid message, its own announcement): apply the group's policy (`rank_down`)
+        and everything it entails."""
+        failure = self.rank_down(rank, cause, rejoin=rejoin)
+        if failure is not None:
+            self._fx.log(logging.ERROR, f"rank {rank}: dead: {cause}")
+            self._carry(failure)
+
+    def on_close(self, cause: str = "the engine group was closed") -> None:
+        """Close the group (§9): every live request ends, ABORTs go to ranks still up."""
+        failure = self.close(cause)
+        if failure is not None:
+            self._carry(failure)
+
+    def on_drain(self) -> bool:
+        """Stop taking requests; False if the group was closed or draining already."""
+        if self.closed is not None or self.draining:
+            return False
+        self.draining = True
+        return True
+
+    def _carry(self, failure: Failure[H]) -> None:
+        fx = self._fx
+        for ended, error in failure.ended:
+            fx.end(ended, error)
+        if failure.rank is not None:
+            fx.drop(failure.rank)  # its queued messages are for an incarnation gone
+            self._drop_held(failure.rank)
+        for rank, frames in failure.aborts:
+            fx.send(rank, frames)
+        if failure.forget is not None:
+            fx.forget(failure.forget, failure.resync)
+        if failure.rank is not None:
+            fx.fail_calls(failure.rank, EngineDead(failure.rank, failure.cause))
+        if failure.closed is not None:
+            fx.fail_calls(None, failure.closed)
+            fx.closed = failure.closed
+        for rank in range(self.size):
+            if not self.is_up(rank):
+                fx.rank_state(rank, False)
+
+    def on_abort(self, request_id: str, handle: H | None) -> Ended[H] | None:
+        """The client aborts a request (only `handle`'s submission, if given): it ends
+        ABORTED and its rank is sent ABORT. A user's `abort()` (no handle) makes a
+        reader see `RequestAborted`; a stream closed early has nobody to tell."""
+        ended = self.abort(request_id, handle)
+        if ended is not None:
+            error = RequestAborted(ended.rank, request_id) if handle is None else None
+            self._fx.end(ended, error)
+            self._fx.send(ended.rank, self.encode_abort((ended.wire_id,)))
+        return ended
+
+    def on_overflow(self, request_id: str, handle: H, rank: int, limit: int) -> None:
+        """A stream's buffer is at `limit` (`max_buffered`): its consumer does not keep
+        up. The request is aborted on its rank and the stream fails with
+        `StreamOverflow` after the outputs it holds."""
+        ended = self.overflow(request_id, handle)
+        error = StreamOverflow(rank, request_id, limit, aborted=ended is not None)
+        if ended is not None:
+            self._fx.send(ended.rank, self.encode_abort((ended.wire_id,)))
+        else:
+            ended = Ended(request_id, rank, handle, Outcome.OVERFLOWED, None, "")
+        self._fx.log(logging.WARNING, str(error), "overflow")
+        self._fx.end(ended, error)
+
+    def on_send_failed(self, rank: int, cause: str) -> None:
+        """A send to `rank` failed or timed out (the transport dropped its queue)."""
+        self.on_rank_dead(rank, cause)
+
+    def on_flushed(self) -> None:
+        """The input task sent a run of messages: one WAKE after a run of ADDs (§5)."""
+        wave = self.after_flush()
+        if wave is not None:
+            self._wake(wave)
+
+    def _wake(self, wave: int, *, stall: bool = False) -> None:
+        if not stall:  # stall WAKEs are counted as such (`stall_wakes`)
+            self.wake_rounds += 1
+        frames = self.wire.encode_wake(wave)
+        if self.wire.wake_published:
+            self._fx.publish(frames)
+            return
+        for rank in range(self.size):
+            if self.is_up(rank):
+                self._fx.send(rank, frames)
+
+    # -- the dispatcher's facts ------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """A long batch is in hand: the dispatcher should not park."""
+        return bool(self._long)
+
+    def on_outputs(self, messages: list[list[bytes]], now: float, *, advance: bool = True) -> None:
+        """One drained batch of output-socket messages, then one slice of each long
+        batch that was in hand before them (a batch started now waits for the next
+        pass): one rank's long batch holds up nobody else; that rank's own later
+        messages wait behind it (`held_limit`), in order. `advance=False`: only take
+        the messages (reading ahead before judging silence)."""
+        in_hand = list(self._long) if self._long and advance else None
+        for frames in messages:
+            self._take(self.wire.read(frames, self.size), now)
+        if in_hand:
+            self._advance(in_hand, now)
+
+    def _take(self, msg: Incoming, now: float) -> None:
+        rank = msg.rank
+        if rank is not None and rank in self._long:
+            self._held.setdefault(rank, collections.deque()).append(msg)
+            held = self._held_bytes.get(rank, 0) + len(msg.body or b"") + 2
+            self._held_bytes[rank] = held
+            if held > self.held_limit:
+                self.on_rank_dead(
+                    rank,
+                    f"it sent {held} bytes faster than its batches could be applied "
+                    f"(over {self.held_limit}, 4 x max_message_size)",
+                )
+            return
+        rank, result = self.on_incoming(msg, now)
+        if rank is None:
+            if result.dead is not None:
+                self._fx.log(logging.ERROR, f"{result.dead}: the whole group fails")
+                self.on_close(f"the engine group failed: {result.dead}")
+            elif result.error is not None:
+                self._fx.warn(str(result.error), "output-message")
+            return
+        self._carry_batch(rank, result)
+        if result.rest is not None:
+            self._long[rank] = result.rest
+
+    def _advance(self, ranks: list[int], now: float) -> None:
+        for rank in ranks:
+            rest = self._long.get(rank)
+            if rest is None:
+                continue  # it died meanwhile
+            result = self.continue_batch(rest, now)
+            self._carry_batch(rank, result)
+            if result.rest is not None:
+                self._long[rank] = result.rest
+                continue
+            self._long.pop(rank, None)  # (gone already if the rank died in that slice)
+            held = self._held.pop(rank, None)
+            self._held_bytes.pop(rank, None)
+            while held:
+                self._take(held.popleft(), now)
+                if rank in self._long and held:
+                    self._held[rank] = held
+                    self._held_bytes[rank] = sum(len(m.body or b"") + 1 for m in held)
+                    break
+
+    def _drop_held(self, rank: int) -> None:
+        """`rank` died: the rest of its long batch and what was held behind it belong to
+        the incarnation that is gone (counted as stale, never applied)."""
+        self._long.pop(rank, None)
+        self._held_bytes.pop(rank, None)
+        held = self._held.pop(rank, None)
+        if held:
+            self.counters.stale_messages += len(held)
+
+    def _carry_batch(self, rank: int, result: BatchResult[H]) -> None:
+        fx = self._fx
+        be = result.effects
+        if be is not None:
+            if be.deliveries:
+                fx.deliver(be.deliveries)
+            broken: list[str] = []
+            for ended in be.ended:
+                fx.end(ended, self.ending_error(ended))
+                if ended.outcome is Outcome.PROTOCOL_ERROR:
+                    broken.append(ended.wire_id)
+            if broken and self.wire.abort_malformed and self.is_up(rank):
+                # The engine would run it on (zmqdp's slot is already free): stop it.
+                fx.send(rank, self.encode_abort(tuple(broken)))
+        if result.wake is not None:
+            self._wake_due = True  # answered once, at the end of the pass
+        for reply in result.replies:
+            fx.reply(reply.call, rank, reply.error, reply.result)
+        for call_id, cause in result.bad_replies:
+            fx.reply(call_id, rank, cause, None)
+        if result.error is not None:
+            fx.warn(str(result.error))
+        if result.dead is not None:
+            self.on_rank_dead(rank, result.dead)
+
+    def end_pass(self) -> None:
+        """The dispatcher is done with a pass: one WAKE(c) answers every `start_wave`
+        of it (docs/protocol.md §5; the wave model checks this, `coalesce`)."""
+        clock = self.clock
+        if clock is None:
+            return
+        if self._wake_due:
+            self._wake_due = False
+            self._wake(clock.wave)
+        if clock.wave != self._wave_seen:
+            self._wave_seen = self._fx.wave = clock.wave
+
+    def on_deadline(self, now: float) -> None:
+        """A deadline passed: expire requests, judge silence, WAKE stalled ranks."""
+        fx = self._fx
+        for ended, error in self.expire(now):
+            fx.end(ended, error)
+            fx.send(ended.rank, self.encode_abort((ended.wire_id,)))
+            fx.log(logging.INFO, str(error))
+        dead, wake = self.on_timeout(now)
+        if wake is not None:
+            fx.warn(f"lockstep group: a rank has waiting work and no progress; WAKE({wake}) again")
+            self._wake(wake, stall=True)
+        for rank, cause in dead:
+            self.on_rank_dead(rank, cause)

@@ -42,8 +42,8 @@ import trio
 from .._core.messages import Output
 
 if TYPE_CHECKING:
-    from ..client import GroupHealth, GroupStatistics, Request
     from ..mock import MockConfig
+    from ..values import GroupHealth, GroupStatistics
 
 __all__ = [
     "AsyncioBackend",
@@ -91,9 +91,11 @@ class GroupLike(Protocol):
     @property
     def size(self) -> int: ...
 
-    def submit(self, request: Request) -> StreamLike: ...
+    def submit(self, request: Any) -> StreamLike:
+        """`request`: what the group's wire takes (the gateway `Dialect` builds it)."""
+        ...
 
-    async def wait_submit(self, request: Request) -> StreamLike: ...
+    async def wait_submit(self, request: Any) -> StreamLike: ...
 
     async def drain(self, timeout: float | None = None) -> None: ...  # noqa: ASYNC109
 
@@ -269,9 +271,12 @@ class TrioBackend:
     def connect(
         self, url: str, engines: int, options: dict[str, Any]
     ) -> AbstractAsyncContextManager[GroupLike]:
+        from .._transport import NATIVE
         from ..client import EngineGroup
 
-        return EngineGroup.connect(url, engines, **options)
+        options = dict(options)
+        dialect = options.pop("dialect", NATIVE)  # the wire: zmqdp.vllm.dialect(...)
+        return EngineGroup.open(url, engines, dialect, **options)
 
     @asynccontextmanager
     async def run_mock(self, url: str, config: MockConfig) -> AsyncIterator[None]:

@@ -51,7 +51,7 @@ import uuid
 from dataclasses import dataclass
 
 from .._core.errors import ZmqdpError
-from ..client import Request
+from ..values import Request
 from .backends import Backend, GroupLike, StreamLike
 from .dialect import CompletionRequest, Dialect, Prepared
 from .errors import HTTPError, http_error

@@ -36,7 +36,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from .._core.metrics import HistogramSnapshot
-from ..client import GroupHealth, GroupStatistics, RankState
+from ..values import GroupHealth, GroupStatistics, RankState
 
 __all__ = ["GatewayCollector", "HTTPCounters"]
 

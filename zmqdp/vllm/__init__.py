@@ -1,9 +1,15 @@
 """Drive a data-parallel group of vLLM 0.32 or 0.33 engine cores (``vllm serve MODEL --headless
---data-parallel-size N ...``) with zmqdp's `EngineGroup`. Needs the ``vllm`` extra
-(msgspec, vLLM's own serializer). See README "Driving vLLM engines"."""
+--data-parallel-size N ...``) with zmqdp's `EngineGroup`: `zmqdp.vllm.connect(...)`, or
+`dialect(...)` for `zmqdp.aio` and the gateway. Needs the ``vllm`` extra (msgspec,
+vLLM's own serializer). See README "Driving vLLM engines".
 
-from ._wire import FINISH_REASONS, WIRE_VERSIONS, SamplingParams, VllmError, VllmOutput
-from .client import VllmEngineGroup, VllmRequest
+What vLLM changes, by file: `wire.py` (requests, outputs, waves, calls), `codec.py` (the
+msgspec frames), `handshake.py` (the start-up handshake), `sockets.py` (the frontend's
+and coordinator's sockets), `group.py` (putting them together: `connect`)."""
+
+from .codec import FINISH_REASONS, WIRE_VERSIONS, SamplingParams, VllmError, VllmOutput
+from .group import VllmEngineGroup, VllmGroup, connect, dialect
+from .wire import VllmRequest, VllmWire
 
 __all__ = [
     "FINISH_REASONS",
@@ -11,6 +17,10 @@ __all__ = [
     "SamplingParams",
     "VllmEngineGroup",
     "VllmError",
+    "VllmGroup",
     "VllmOutput",
     "VllmRequest",
+    "VllmWire",
+    "connect",
+    "dialect",
 ]

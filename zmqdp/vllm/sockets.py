@@ -31,7 +31,7 @@ import collections
 import contextlib
 import logging
 import socket as _socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,20 +39,19 @@ import trio
 import zmq
 
 from .._addresses import is_loopback
-from .._core.errors import HandshakeTimeout, ProtocolError
-from .._core.outbox import Outbox
+from .._core.errors import ProtocolError
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
-from .._transport import CLOSE_LINGER, InputOwner, TransportListener, TransportStatistics
+from .._transport import TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
 from .._zmq import ZSocket
-from ._handshake import VllmHandshake
-from ._wire import (
+from .codec import (
     COORDINATOR_READY,
     decode_hello,
     decode_ready_response,
     encode_init,
     rank_identity,
 )
+from .handshake import VllmHandshake
 
 __all__ = ["MASTER_PORTS", "VllmTransport", "moe_parallel_config", "open_vllm_transport"]
 
@@ -107,7 +106,7 @@ def _sibling(url: str, name: str) -> str:
     raise ValueError(f"a vLLM handshake URL is tcp://HOST:PORT or ipc://PATH, got {url!r}")
 
 
-class VllmTransport(InputOwner):
+class VllmTransport(TransportBase):
     """Bound frontend sockets for one vLLM engine group. Use `open_vllm_transport`."""
 
     def __init__(
@@ -137,10 +136,9 @@ class VllmTransport(InputOwner):
         self.max_message_size = max_message_size
         self.size = size
         self.lockstep = lockstep
-        self.listener = listener or TransportListener()
-        self.send_timeout = send_timeout
         self._logs = LogLimiter(log)
-        self.context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._own_context = True
+        self.context = zmq.Context()
         self._sockets: list[ZSocket] = []
         self.coordinator: ZSocket | None = None
         try:
@@ -176,14 +174,9 @@ class VllmTransport(InputOwner):
             version_override=vllm_version,
             on_warning=lambda rank, why: log.warning("rank %d: %s", rank, why),
         )
-        self.outbox: Outbox[list[bytes]] = Outbox(size, send_timeout=send_timeout)
-        self._identities = [rank_identity(r) for r in range(size)]
+        self._init_base([rank_identity(r) for r in range(size)], listener, send_timeout)
         self._published: collections.deque[list[bytes]] = collections.deque()
         self.subscriptions = 0
-        self._dropped_answers = 0
-        self._input_rounds = 0
-        self.ranks_changed = trio.Event()
-        self.nursery: trio.Nursery | None = None
 
     def _bind(self, kind: int, address: str) -> ZSocket:
         sock = self.context.socket(kind)
@@ -214,13 +207,6 @@ class VllmTransport(InputOwner):
 
     # -- sending (any task) -------------------------------------------------------------
 
-    def send(self, rank: int, frames: Sequence[bytes]) -> None:
-        """Queue a message for `rank` on the input socket; never blocks."""
-        if self.input.closed:
-            raise trio.ClosedResourceError("the engine group's sockets are closed")
-        if self.outbox.put(rank, [self._identities[rank], *frames]):
-            self.input.kick()
-
     def publish(self, frames: list[bytes]) -> None:
         """Queue a message for every engine on the coordinator XPUB (MoE groups)."""
         assert self.coordinator is not None
@@ -229,24 +215,15 @@ class VllmTransport(InputOwner):
         self._published.append(frames)
         self.coordinator.kick()
 
-    def drop_queued(self, rank: int) -> None:
-        self.outbox.drop(rank)
-
     def forget(self, rank: int, *, resync: bool = True) -> None:
         """The rank is dead: it is up again after a new HELLO (vLLM has no RESYNC)."""
         self.state.forget(rank)
 
     # -- the owning tasks ---------------------------------------------------------------
 
-    async def serve_handshake(self) -> None:
-        """Own the handshake ROUTER: answer HELLOs, record READYs, forever."""
-        zs = self.handshake
-        while True:
-            batch = await zs.receive_batch()
-            for frames in batch:
-                self._on_handshake(frames)
-
-    def _on_handshake(self, frames: list[bytes]) -> None:
+    def _on_handshake_message(self, frames: list[bytes]) -> None:
+        """HELLO (answered with the rank's init) or READY on the handshake socket
+        (`TransportBase.serve_handshake` reads them)."""
         if len(frames) != 2:
             self.state.ignored += 1
             return
@@ -267,28 +244,15 @@ class VllmTransport(InputOwner):
             if verdict.rejoin:
                 log.warning("rank %d: HELLO again: its previous incarnation is dead", verdict.rank)
                 self.listener.rejoin(verdict.rank)
-            self._answer(identity, verdict.reply)
+            self._answer_bytes(identity, verdict.reply)
         elif status == "READY":
             if (rank := self.state.on_ready(identity, msg)) is not None:
                 self._rank_up(rank)
         else:
             self.state.ignored += 1
 
-    def _answer(self, identity: bytes, body: bytes) -> None:
-        try:
-            if self.handshake.send_nowait([identity, body]):
-                return
-            cause = "its queue is full"
-        except zmq.ZMQError as exc:
-            cause = str(exc)
-        self._dropped_answers += 1
-        log.warning("handshake: could not answer identity %s: %s", identity.hex(), cause)
-
     def _rank_up(self, rank: int) -> None:
-        log.info("rank %d: up", rank)
-        self.listener.rank_up(rank)
-        self.ranks_changed.set()
-        self.ranks_changed = trio.Event()
+        self._rank_is_up(rank, f"vLLM {self.state.version(rank)}")
 
     def _on_input_message(self, frames: list[bytes]) -> None:
         """The engines' ready responses (`InputOwner`)."""
@@ -320,58 +284,11 @@ class VllmTransport(InputOwner):
                 zs.send_nowait(self._published.popleft())
             await zs.wait_readable_or_kicked()
 
-    # -- waiting and closing ------------------------------------------------------------
-
-    async def wait_ready(self) -> None:
-        while not self.state.ready():
-            await self.ranks_changed.wait()
-
-    def timeout_error(self, timeout: float) -> HandshakeTimeout:
-        return HandshakeTimeout(self.state.missing(), list(self.state.rejected), timeout)
-
-    def statistics(self) -> TransportStatistics:
-        return TransportStatistics(
-            handshake=self.handshake.statistics(),
-            input=self.input.statistics(),
-            output=self.output.statistics(),
-            rejected_hellos=self.state.rejections,
-            ignored_handshake_messages=self.state.ignored,
-            stale_registers=0,
-            resyncs=0,
-            dropped_answers=self._dropped_answers,
-            identity_conflicts=0,
-            queued=tuple(self.outbox.queued(r) for r in range(self.size)),
-            input_rounds=self._input_rounds,
-            refused_connections=0,
-            impersonations=0,
-        )
-
     def _close_all(self) -> None:
         for zs in self._sockets:
             zs.close()
         self._sockets = []
         self.context.term()
-
-    async def aclose(self) -> None:
-        """Close after the owning tasks ended: push what is queued on the input socket
-        (ABORTs of live requests), close it with `CLOSE_LINGER`, the others at once, and
-        terminate the context in a worker thread (`term()` blocks for the LINGER)."""
-        zs = self.input
-        if not zs.closed:
-            zs.release()
-            for rank in range(self.size):
-                for frames in self.outbox.take_all(rank):
-                    try:
-                        if not zs.send_nowait(frames):
-                            break
-                    except zmq.ZMQError:
-                        break
-        zs.close(linger=CLOSE_LINGER)
-        for other in self._sockets:
-            other.close()
-        self._sockets = []
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self.context.term)
 
 
 @asynccontextmanager

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.errors import quote
-from ._wire import identity_rank, wire_version
+from .codec import identity_rank, wire_version
 
 __all__ = ["HelloVerdict", "VllmHandshake"]
 

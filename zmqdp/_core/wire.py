@@ -1,0 +1,167 @@
+"""The wire as an object: what a dialect changes, and zmqdp's own (`NativeWire`).
+
+A `Wire` is the codec and the few capability flags of one engine protocol. `GroupCore`
+and the trio client take one as an argument and never ask which it is: the native CBOR
+protocol (docs/protocol.md) and vLLM's engine-core wire (`zmqdp.vllm.wire`) are two
+values of this one interface, the way wsproto takes its extensions as arguments instead
+of being subclassed. Everything else (routing, the request book, the wave clock,
+per-rank health) is the core's own and the same on every wire.
+
+Sans-IO like the rest of `_core`: no trio, no zmq; time comes in as a value.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Container, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from .codec import BatchDecoder, EntryCursor, decode_batch_sliced, encode_request
+from .errors import ProtocolError
+from .handshake import identity_rank
+from .messages import Abort, Add, Call, OutputBatch, Wake
+
+__all__ = ["Incoming", "NativeWire", "Prepared", "Wire"]
+
+R_contra = TypeVar("R_contra", contravariant=True)
+
+
+class Prepared(NamedTuple):
+    """A request as the core takes it: the application id, the ADD's body (what
+    `Wire.encode_add` encodes), the pinned rank (None: least-loaded), the timeout
+    (None: the group's). Each is validated by the core."""
+
+    id: Any
+    body: Any
+    rank: Any
+    timeout: Any
+
+
+class Incoming(NamedTuple):
+    """One output-socket message as the wire reads it, before the core judges it."""
+
+    rank: int | None
+    """The rank it came from (None: it names none; counted and logged)."""
+    body: bytes | None = None
+    """A batch body for the core to decode (`Wire.decode_batch`, in slices if long)."""
+    batch: OutputBatch | None = None
+    """A batch the wire decoded already (never sliced)."""
+    error: ProtocolError | None = None
+    """The message is invalid: a connection error of `rank` (§7), or if `rank` is
+    None only counted and logged."""
+    group_dead: str | None = None
+    """A death sentinel that names no rank: the whole group fails."""
+
+
+class Wire(Protocol[R_contra]):
+    """One engine protocol, as the core and the trio client use it. `R_contra` is the
+    request type `EngineGroup.submit` takes on this wire."""
+
+    name: str
+    """For messages: "native", "vLLM"."""
+    abort_malformed: bool
+    """Send ABORT for a request a malformed entry ended (§7): an engine that has no
+    idea its entry was rejected would run it on, holding a slot the client freed."""
+    wake_published: bool
+    """WAKEs go out as one publication to every rank (vLLM's coordinator XPUB), not as
+    one message per up rank on the input socket."""
+    default_ready_timeout: float
+    """`connect`'s `ready_timeout` when none is given."""
+
+    def prepare(
+        self, request: R_contra, infos: Sequence[Mapping[str, Any]], wall_time: float
+    ) -> Prepared:
+        """The request as the core takes it. `infos`: each rank's handshake info (a
+        wire may check a request against what the engines announced); `wall_time`:
+        `time.time()` (vLLM stamps arrival times). Raises `InvalidRequest`."""
+        ...
+
+    def encode_add(self, wire_id: str, body: Any, wave: int) -> tuple[bytes, bytes]:
+        """An ADD's frames; `wave` is the clock `c` (0 when not lockstep). Raises
+        `ProtocolError` if `body` has no wire form."""
+        ...
+
+    def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]: ...
+
+    def encode_wake(self, wave: int) -> list[bytes]:
+        """WAKE(wave) (docs/protocol.md §5), as sent to each rank or published."""
+        ...
+
+    def encode_call(self, call_id: int, method: str, args: tuple[Any, ...]) -> Sequence[bytes]:
+        """A utility call's frames; raises `ProtocolError` if they have no wire form."""
+        ...
+
+    def new_call_id(self, taken: Container[int]) -> int:
+        """A call id not in `taken`."""
+        ...
+
+    def read(self, frames: list[bytes], size: int) -> Incoming:
+        """Which rank one output-socket message is from, and what it holds."""
+        ...
+
+    def decode_batch(
+        self, body: bytes, slice_entries: int
+    ) -> tuple[OutputBatch, EntryCursor | None]:
+        """A batch body from `Incoming.body`; its entries past the first
+        `slice_entries` come in a cursor. Raises `ProtocolError` only for a connection
+        error (§7); malformed entries are in `OutputBatch.bad_entries`."""
+        ...
+
+    def batch_decoder(self, body: bytes, judge: Any) -> BatchDecoder:
+        """An incremental decoder for a body of at least `incremental_bytes`."""
+        ...
+
+
+class NativeWire:
+    """docs/protocol.md: CBOR over three ROUTERs; the rank is the routing identity."""
+
+    name = "native"
+    abort_malformed = False
+    wake_published = False
+    default_ready_timeout = 60.0
+
+    def __init__(self) -> None:
+        self._call_ids = itertools.count()
+
+    def prepare(
+        self, request: Any, infos: Sequence[Mapping[str, Any]], wall_time: float
+    ) -> Prepared:
+        """`zmqdp.Request` as it is (`Request.body` any CBOR-able value)."""
+        return Prepared(request.id, request.body, request.rank, request.timeout)
+
+    def encode_add(self, wire_id: str, body: Any, wave: int) -> tuple[bytes, bytes]:
+        return encode_request(Add(wire_id, body))
+
+    def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
+        return encode_request(Abort(wire_ids))
+
+    def encode_wake(self, wave: int) -> list[bytes]:
+        return list(encode_request(Wake(wave)))
+
+    def encode_call(self, call_id: int, method: str, args: tuple[Any, ...]) -> Sequence[bytes]:
+        return encode_request(Call(call_id, method, args))
+
+    def new_call_id(self, taken: Container[int]) -> int:
+        while (call_id := next(self._call_ids)) in taken:
+            pass
+        return call_id
+
+    def read(self, frames: list[bytes], size: int) -> Incoming:
+        """`[identity, body]` from the output ROUTER."""
+        rank = identity_rank(frames[0]) if frames else None
+        if rank is None or rank >= size:
+            who = frames[0].hex() if frames else "?"
+            error = ProtocolError(f"output: a message from identity {who}, which is no rank")
+            return Incoming(None, error=error)
+        if len(frames) != 2:
+            error = ProtocolError(f"a message of {len(frames) - 1} frames, not 1")
+            return Incoming(rank, error=error)
+        return Incoming(rank, body=frames[1])
+
+    def decode_batch(
+        self, body: bytes, slice_entries: int
+    ) -> tuple[OutputBatch, EntryCursor | None]:
+        return decode_batch_sliced(body, slice_entries)
+
+    def batch_decoder(self, body: bytes, judge: Any) -> BatchDecoder:
+        return BatchDecoder(body, judge)

@@ -1,0 +1,109 @@
+"""The dispatcher task: the one owner of a group's output socket and watchdog deadline.
+
+Theory of operation
+-------------------
+One loop, one pass per drained batch of up to 256 messages:
+
+1. park on the output socket until a message comes or the core's next deadline (at most
+   a second away: a submit can give an idle rank a deadline while the task is parked;
+   `move_deadline` wakes it earlier). A long batch in hand (`GroupCore.has_work`) means
+   no parking: take what is queued and go on with it;
+2. hand the messages to the core (`GroupCore.on_outputs`): it applies them, one slice
+   of each long batch in hand, and holds a rank's later messages behind its long batch;
+3. if a deadline passed, even while other ranks kept this task busy (a silent rank must
+   not hide behind a chatty one), first read what is queued (up to
+   `DRAIN_BEFORE_JUDGING` batches: the heartbeats that arrived while this task was held
+   up), then judge at the time of judging (`GroupCore.on_deadline`);
+4. `GroupCore.end_pass` (one WAKE answers every `start_wave` of the pass), then carry
+   out the pass's `Effects` in one call and wake each stream it fed once, not once per
+   output.
+
+A timer that fires with nothing queued is judged only after a short grace if the task
+woke late (`HELD_UP`): libzmq's I/O thread may have been held up too, with heartbeats
+still in the kernel. Cancellation: only at checkpoints (the group is closing); what was
+applied stays applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+from ._core.effects import Effects
+from ._core.state import GroupCore
+from ._zmq import ZSocket
+from .stream import RequestStream
+
+__all__ = ["DRAIN_BEFORE_JUDGING", "HELD_UP", "Dispatcher"]
+
+HELD_UP = 0.05
+"""Seconds: a dispatcher that wakes this late was held up."""
+DRAIN_BEFORE_JUDGING = 8
+"""Batches of 256 messages read before a silence is judged inside a busy round."""
+
+Apply = Callable[[Effects[RequestStream], set[RequestStream]], None]
+
+
+class Dispatcher:
+    """Runs the loop of the module docstring; `apply` carries out one pass's effects
+    (`EngineGroup._apply`), adding the streams it fed to the set it is given."""
+
+    def __init__(self, core: GroupCore[RequestStream], output: ZSocket, apply: Apply) -> None:
+        self._core = core
+        self._output = output
+        self._apply = apply
+        self._timer: trio.CancelScope | None = None  # the wait, while parked
+
+    def move_deadline(self, when: float) -> None:
+        """A submit's deadline is earlier than the parked wait's: wake in time."""
+        timer = self._timer
+        if timer is not None and when < timer.deadline:
+            timer.deadline = when
+
+    async def run(self) -> None:
+        zs = self._output
+        core = self._core
+        while True:
+            if core.has_work():
+                messages = zs.receive_nowait(256)
+            else:
+                deadline = min(core.next_deadline(), trio.current_time() + 1.0)
+                with trio.move_on_at(deadline) as timer:
+                    self._timer = timer
+                    try:
+                        messages = await zs.receive_batch(256)
+                    finally:
+                        self._timer = None
+                if timer.cancelled_caught:
+                    messages = zs.receive_nowait(256)
+                    if not messages and trio.current_time() - timer.deadline > HELD_UP:
+                        with trio.move_on_after(HELD_UP):
+                            messages = await zs.receive_batch(256)
+                    if not messages:
+                        core.on_deadline(trio.current_time())
+                        self._carry_out()
+                        continue
+            core.on_outputs(messages, trio.current_time())
+            if trio.current_time() >= core.next_deadline():
+                self._judge_silence()
+            self._carry_out()
+            if core.has_work():
+                await trio.lowlevel.checkpoint()  # consumers and other tasks run
+
+    def _carry_out(self) -> None:
+        core = self._core
+        core.end_pass()
+        dirty: set[RequestStream] = set()
+        self._apply(core.take_effects(), dirty)
+        for stream in dirty:
+            stream.notify()
+
+    def _judge_silence(self) -> None:
+        core = self._core
+        for _ in range(DRAIN_BEFORE_JUDGING):
+            messages = self._output.receive_nowait(256)
+            core.on_outputs(messages, trio.current_time(), advance=False)
+            if len(messages) < 256:
+                break
+        core.on_deadline(trio.current_time())

@@ -1,0 +1,229 @@
+"""zmqdp's value types: what a request is, what a rank and the group look like from
+outside (`EngineInfo`, `RankState`, `GroupStatistics`, `GroupHealth`), and the one
+options record of `connect` (`ConnectOptions`).
+
+Plain frozen records with no behaviour and no I/O, so every layer can import them: the
+trio client, `zmqdp.aio`, the gateway, the dialects and the admission queue.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+from ._core.messages import Load
+from ._core.metrics import HistogramSnapshot
+from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, check_timeout
+
+__all__ = [
+    "ConnectOptions",
+    "EngineInfo",
+    "GroupHealth",
+    "GroupStatistics",
+    "RankState",
+    "RankStatistics",
+    "Request",
+    "WatchedValue",
+]
+
+
+class RankState(enum.Enum):
+    """Whether a rank takes requests."""
+
+    UP = "up"
+    """Handshake complete: selectable, pinnable."""
+    DOWN = "down"
+    """Dead, rejoining or not yet back: submits pinned to it raise `InvalidRank`."""
+
+
+T = TypeVar("T")
+
+
+class WatchedValue(Protocol[T]):
+    """A value that tasks can wait on (trio-util's `AsyncValue`, read-only here)."""
+
+    @property
+    def value(self) -> T: ...
+
+    async def wait_value(
+        self, value_or_predicate: T | Callable[[T], bool], *, held_for: float = 0
+    ) -> T:
+        """Wait until the value equals `value_or_predicate` (or the predicate holds)."""
+        ...
+
+    async def wait_transition(
+        self, value_or_predicate: T | Callable[[T, T], bool] | None = None
+    ) -> tuple[T, T]:
+        """Wait for the next change (matching it, if given); returns (new, old)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request: `id` unique among live requests (a non-empty str of at most 512
+    characters; reusable once the request ends), `body` any CBOR-able value
+    (docs/protocol.md §8) whose ADD fits the engine's `max_message_size`, `rank` an int to
+    pin it (None: least-loaded), `timeout` its deadline in seconds from submit (None:
+    the group's `request_timeout`): past it the request is aborted on its rank and its
+    stream raises `RequestTimeout`."""
+
+    id: str
+    body: Any = None
+    rank: int | None = None
+    timeout: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """One rank as the client sees it."""
+
+    rank: int
+    info: Mapping[str, Any]
+    """The free-form metadata of its READY (model, `max_num_seqs`, ...), as sent."""
+    state: RankState
+
+
+@dataclass(frozen=True, slots=True)
+class RankStatistics:
+    """One rank in `GroupStatistics`."""
+
+    rank: int
+    state: RankState
+    inflight: int
+    """Requests this client has live on the rank."""
+    load: Load
+    """The rank's latest load report (queue counts zeroed while it holds nothing)."""
+    batches: int
+    """Valid batches received from its current incarnation."""
+    protocol_errors: int
+    """Its invalid messages and malformed entries, this incarnation."""
+    queued: int
+    """Messages waiting to be sent to it (they pile up while its input pipe is full)."""
+    cap: int | None
+    """Its in-flight cap (`max_inflight`); None: no cap."""
+    ttft: HistogramSnapshot
+    """Seconds from submit to the first output, of requests sent to it."""
+    latency: HistogramSnapshot
+    """Seconds from submit to the terminal output, of its requests that finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStatistics:
+    """A snapshot of `EngineGroup.statistics()`: per rank, then counters since connect."""
+
+    ranks: tuple[RankStatistics, ...]
+    lockstep: bool
+    wave: int | None
+    """The wave clock (lockstep groups), else None."""
+    submitted: int
+    """Requests accepted by `submit` (their ADD was queued)."""
+    finished: int
+    """Requests that ended with their terminal output."""
+    truncated: int
+    """Requests the engine listed in `finished` without a terminal output."""
+    aborted: int
+    """Requests ended by `abort()` or by leaving their stream early."""
+    failed: int
+    """Requests ended because their rank died or the group closed."""
+    rolled_back: int
+    """Submits refused with `InvalidRequest` because the body could not be encoded or
+    the ADD was too large; nothing was sent or kept."""
+    protocol_failed: int
+    """Requests ended with `ProtocolError` by a malformed entry naming them (§7)."""
+    overflowed: int
+    """Streams whose consumer fell `max_buffered` outputs behind: their request was
+    aborted (or, if its terminal output came in the same batch, counted as finished
+    too, and its outputs past the bound dropped)."""
+    timed_out: int
+    """Requests aborted because their deadline passed (`RequestTimeout`)."""
+    overloaded: int
+    """Submits refused by admission control (`Overloaded`); nothing was kept."""
+    waiting: int
+    """Tasks in `wait_submit` waiting for room now."""
+    protocol_errors: int
+    """Messages that were not valid batches (each killed its rank), or came from an
+    identity that is no rank."""
+    malformed_entries: int
+    """Malformed entries of otherwise valid batches."""
+    stale_messages: int
+    """Messages of a dead incarnation (another epoch, or from a rank that is down)."""
+    late_outputs: int
+    """Entries for requests that had already ended (e.g. outputs racing an abort)."""
+    unknown_outputs: int
+    """Entries naming a wire id the client never issued, or one live on another rank."""
+    wakes: int
+    """WAKE rounds sent to the whole group: after a run of ADDs, and at the end of a
+    dispatcher pass that took `start_wave`s (one round answers all of them)."""
+    stall_wakes: int
+    """Extra WAKEs for a stalled lockstep rank; a correct group needs none."""
+    fallbacks: int
+    """Safety-timeout firings of the socket adapter; 0 in a healthy process."""
+    rejected_hellos: int
+    """Handshake messages answered with REJECT (invalid or mismatched HELLO, READY)."""
+    ignored_handshake_messages: int
+    """Handshake messages that were neither HELLO nor READY, or came out of turn, and
+    input-socket messages that were not a valid REGISTER."""
+    stale_registers: int
+    """REGISTERs of a dead incarnation (another epoch), ignored."""
+    resyncs: int
+    """RESYNCs sent to ranks the group waited for (start-up, after a death)."""
+    dropped_answers: int
+    """Handshake answers dropped because that peer did not read them."""
+    identity_conflicts: int
+    """Times a rank said HELLO again soon after its previous HELLO: two processes
+    claiming one rank, or an engine restarting in a loop (logged once, loudly)."""
+    refused_connections: int
+    """CURVE: connections refused because their key is not on the allow-list."""
+    impersonations: int
+    """CURVE: messages dropped because their routing id was not their key's rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupHealth:
+    """`EngineGroup.health()`: what a liveness and a readiness probe ask."""
+
+    live: bool
+    """The group serves (not closed, not failed): restart the process if False."""
+    ready: bool
+    """Live, not draining, and at least one rank up: send it traffic."""
+    draining: bool
+    ranks_up: int
+    size: int
+    inflight: int
+    """Live requests."""
+    room: int | None
+    """Requests the up ranks can still take before admission refuses (None: no cap)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectOptions:
+    """Everything `connect` takes besides the URL, the size and the wire, in one record
+    (`EngineGroup.connect`, `zmqdp.vllm.connect` and `zmqdp.aio`'s connect take the same
+    keyword arguments, or this record as `options=`). Each is explained at
+    `EngineGroup.connect`. `ready_timeout=None`: the wire's default (60 s natively,
+    600 s for vLLM engines, which load a model first)."""
+
+    ready_timeout: float | None = None
+    silence_timeout: float = 30.0
+    send_timeout: float = 10.0
+    stall_timeout: float = 5.0
+    advertise_host: str | None = None
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    max_buffered: int | None = None
+    max_inflight: int | Literal["info"] | None = None
+    request_timeout: float | None = None
+    curve: Any = None
+    """`zmqdp.keys.ClientKeys` (native wire only: vLLM's has no authentication)."""
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse what no group could use, before anything is bound."""
+        mb = self.max_buffered
+        if mb is not None and (type(mb) is not int or mb < 1):
+            raise ValueError(f"max_buffered must be a positive int or None, got {mb!r}")
+        mi = self.max_inflight
+        if mi not in (None, "info") and (type(mi) is not int or mi < 1):
+            raise ValueError(f"max_inflight must be a positive int, 'info' or None, got {mi!r}")
+        check_timeout("request_timeout", self.request_timeout)

@@ -1,0 +1,196 @@
+"""What vLLM's wire changes: `VllmWire`, zmqdp's `Wire` speaking vLLM's engine-core
+protocol (the codec itself is `codec.py`, the handshake `handshake.py`, the sockets
+`sockets.py`). The core, routing, the request book, per-rank health and the wave clock
+are the same as on the native wire.
+
+* A request is a `VllmRequest` (prompt token ids, `SamplingParams`, the model's EOS
+  token, priority, pinned rank). `prepare` does what vLLM's frontend does before it
+  sends: a prompt must leave room for one output token, and `max_tokens=None` means "up
+  to the model's length" (the engine compares with `max_tokens` at every step: None
+  would kill it).
+* An ADD is vLLM's `EngineCoreRequest`; its `current_wave` is the wave clock `c`
+  (`request_wave`): a wave some rank has reached, never a lead (docs/protocol.md §5;
+  vLLM's engines adopt a newer request wave).
+* WAKE(c) is the coordinator's START_DP_WAVE(c, exclude=None), published on the XPUB
+  (`start_dp_wave`, `wake_published`).
+* Output messages come from a PULL socket and carry no routing identity: the rank is
+  the message's `engine_index`. A message that is not an `EngineCoreOutputs` names no
+  rank and cannot kill one; it is counted and logged, as is one naming a rank outside
+  the group.
+* ``ENGINE_CORE_DEAD`` names no rank either (one bare frame on a PULL socket): it
+  fails the whole group (`Incoming.group_dead`), as vLLM's own frontend does.
+* A malformed output entry ends only its request (§7), and the client also sends that
+  request's ABORT (`abort_malformed`): the engine would run it on to `max_tokens`.
+* Call ids are random unsigned 64-bit ints, as vLLM's client makes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._core.codec import BatchDecoder, EntryCursor
+from .._core.errors import InvalidRequest, ProtocolError, quote
+from .._core.messages import OutputBatch
+from .._core.waves import WaveClock
+from .._core.wire import Incoming, Prepared
+from .codec import (
+    ENGINE_CORE_DEAD,
+    SamplingParams,
+    decode_outputs,
+    encode_abort,
+    encode_add,
+    encode_start_dp_wave,
+    encode_utility,
+    sampling_map,
+)
+
+__all__ = ["VllmRequest", "VllmWire", "request_wave", "start_dp_wave"]
+
+
+@dataclass(frozen=True, slots=True)
+class VllmRequest:
+    """One generation request. `id` as `zmqdp.Request.id`; `prompt_token_ids` the
+    tokenized prompt (zmqdp has no tokenizer); `eos_token_id` the model's EOS token (the
+    engine stops on it only if given; None: no EOS stop); `rank` pins it (vLLM's
+    `data_parallel_rank`); `timeout` as `zmqdp.Request.timeout`."""
+
+    id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    priority: int = 0
+    rank: int | None = None
+    timeout: float | None = None
+    cache_salt: str | None = None
+
+
+def request_wave(clock: WaveClock | None) -> int:
+    """An ADD's `current_wave`: the clock `c` (0 in a dense group). A wave some rank has
+    reached, never a lead: vLLM's engines adopt a request wave newer than their own, so
+    a lead would renumber one rank of a running group ahead of its peers."""
+    return clock.wave if clock is not None else 0
+
+
+def start_dp_wave(wave: int) -> tuple[int, int | None]:
+    """zmqdp's WAKE(c) on vLLM's wire: the coordinator's START_DP_WAVE(c, exclude=None),
+    for the post-ADD WAKE, the answer to the `start_wave`s of a dispatcher pass and the
+    stall WAKE alike.
+
+    Never an excluded engine index. vLLM's own coordinator excludes the engine whose
+    `start_wave: w` it answers with that very `w` (that engine woke itself at `w`).
+    zmqdp answers with the clock `c >= w`, one START_DP_WAVE for every `start_wave` of
+    a dispatcher pass: by then the reporter may be parked again at `c` (its request ran
+    in a wave the clock has since seen complete), and excluding it would wake its peers
+    without it. An engine that is already running at `c` is unaffected by the wake;
+    one running at a lower wave never is (the clock never leads), so including the
+    reporter is always safe. tests/vllm_wave_model.py checks both claims."""
+    return wave, None
+
+
+def _max_model_len(infos: Sequence[Mapping[str, Any]]) -> int | None:
+    """The smallest `max_model_len` the ranks' ready responses announce, if any."""
+    lengths: list[int] = [n for info in infos if type(n := info.get("max_model_len")) is int]
+    return min(lengths) if lengths else None
+
+
+class VllmWire:
+    """vLLM 0.32/0.33's engine-core wire (module docstring). `client_index` is the
+    frontend index the ADDs carry (vLLM's API-server index; one client: 0)."""
+
+    name = "vLLM"
+    abort_malformed = True
+    wake_published = True
+    default_ready_timeout = 600.0
+
+    def __init__(self, client_index: int = 0) -> None:
+        self.client_index = client_index
+
+    def prepare(
+        self, request: VllmRequest, infos: Sequence[Mapping[str, Any]], wall_time: float
+    ) -> Prepared:
+        if not isinstance(request, VllmRequest):
+            raise InvalidRequest(quote(request), "submit takes a VllmRequest on vLLM's wire")
+        limit = _max_model_len(infos)
+        prompt = len(request.prompt_token_ids)
+        if limit is not None and prompt >= limit:
+            raise InvalidRequest(
+                quote(request.id),
+                f"the prompt has {prompt} tokens; the engines' max_model_len is {limit}",
+            )
+        if request.sampling.max_tokens is None:
+            if limit is None:
+                raise InvalidRequest(
+                    quote(request.id),
+                    "max_tokens=None needs the engines' max_model_len (not in their READY)",
+                )
+            sampling = dataclasses.replace(request.sampling, max_tokens=limit - prompt)
+            request = dataclasses.replace(request, sampling=sampling)
+        return Prepared(request.id, (request, wall_time), request.rank, request.timeout)
+
+    def encode_add(self, wire_id: str, body: Any, wave: int) -> tuple[bytes, bytes]:
+        """`body` is what `prepare` built: ``(VllmRequest, arrival_time)``."""
+        request, arrival_time = body
+        try:
+            sp = sampling_map(request.sampling, request.eos_token_id)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        tokens = request.prompt_token_ids
+        if not tokens or any(type(t) is not int or t < 0 for t in tokens):
+            raise ProtocolError("prompt_token_ids must be a non-empty list of ints >= 0")
+        if type(request.priority) is not int:
+            raise ProtocolError(f"priority must be an int, got {request.priority!r}")
+        return encode_add(
+            wire_id,
+            tokens,
+            sp,
+            arrival_time,
+            data_parallel_rank=request.rank,
+            cache_salt=request.cache_salt,
+            client_index=self.client_index,
+            current_wave=wave,
+            priority=request.priority,
+            external_req_id=request.id,
+        )
+
+    def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
+        return encode_abort(wire_ids)
+
+    def encode_wake(self, wave: int) -> list[bytes]:
+        return encode_start_dp_wave(*start_dp_wave(wave))
+
+    def encode_call(self, call_id: int, method: str, args: tuple[Any, ...]) -> Sequence[bytes]:
+        """A UTILITY request (vLLM's `call_utility`)."""
+        return encode_utility(call_id, method, args)
+
+    def new_call_id(self, taken: Container[int]) -> int:
+        while (call_id := secrets.randbits(64)) in taken:
+            pass
+        return call_id
+
+    def read(self, frames: list[bytes], size: int) -> Incoming:
+        """``[EngineCoreOutputs, *aux]`` from the output PULL socket."""
+        if len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
+            return Incoming(
+                None,
+                group_dead="an engine sent ENGINE_CORE_DEAD (vLLM's death sentinel names no rank)",
+            )
+        try:
+            batch = decode_outputs(frames)
+        except ProtocolError as exc:
+            return Incoming(None, error=exc)
+        if not 0 <= batch.rank < size:
+            error = ProtocolError(f"outputs of engine_index {batch.rank}, outside the group")
+            return Incoming(None, error=error)
+        return Incoming(batch.rank, batch=batch)
+
+    def decode_batch(
+        self, body: bytes, slice_entries: int
+    ) -> tuple[OutputBatch, EntryCursor | None]:
+        raise ProtocolError("vLLM's outputs are decoded whole by `read`")
+
+    def batch_decoder(self, body: bytes, judge: Any) -> BatchDecoder:
+        raise ProtocolError("vLLM's outputs are decoded whole by `read`")
