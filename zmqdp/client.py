@@ -57,23 +57,19 @@ from trio_util import AsyncValue
 
 from ._admission import WaitQueue
 from ._calls import PendingCalls
-from ._core.effects import Effects
+from ._carry import Carrier
 from ._core.errors import (
     CallTimeout,
-    EngineDead,
     GroupClosed,
     GroupDraining,
     InvalidRank,
-    InvalidRequest,
-    ProtocolError,
-    quote,
 )
-from ._core.requests import Outcome
 from ._core.state import GroupCore
 from ._core.wire import Wire
 from ._dispatch import Dispatcher
+from ._probes import group_health, group_statistics
 from ._transport import NATIVE, GroupDialect, Transport, TransportListener
-from ._util import LogLimiter, NoPublicConstructor
+from ._util import NoPublicConstructor
 from .stream import RequestStream
 from .values import (
     ConnectOptions,
@@ -137,8 +133,16 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         self._wave: Any = AsyncValue(core.clock.wave if core.clock is not None else None)
         self._infos: list[Mapping[str, Any]] = [{} for _ in range(core.size)]
         self._calls = PendingCalls(wire.new_call_id)
-        self._logs = LogLimiter(log)
-        self._firsts: list[RequestStream] = []  # streams given their first output
+        self._apply = Carrier(
+            core,
+            transport,
+            self._calls,
+            self._states,
+            self._wave,
+            self._waiters,
+            self._after_endings,
+            options.max_buffered,
+        ).apply
         self._dispatcher = Dispatcher(core, transport.output, self._apply)
 
     # -- connecting -------------------------------------------------------------------
@@ -150,26 +154,15 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
     ) -> AsyncIterator[EngineGroup[Request]]:
         """Bind the group URL, wait for all `engines` native engines, and serve them.
 
-        The keyword arguments are `zmqdp.ConnectOptions`'s (or pass one as `options`):
-        `ready_timeout` (s, for every rank's handshake), `silence_timeout` (a rank that
-        holds requests and says nothing this long is dead), `send_timeout` (a rank whose
-        input pipe stays full this long is dead), `stall_timeout` (lockstep: WAKE again
-        a rank with waiting work and no progress), `advertise_host`,
-        `max_message_size` (bounds what the client receives; announced in INIT; each
-        engine announces its own and `submit` refuses larger ADDs), `max_buffered`
-        (a stream whose consumer falls that far behind raises `StreamOverflow`),
-        `max_inflight` (admission control: an int cap per rank, "info" for each
-        rank's `max_num_seqs`, None), `request_timeout` (the deadline of every request
-        without its own), `curve` (`zmqdp.keys.load_client_keys(DIR)`: only engines on
-        the allow-list, each as its key's rank) and `insecure` (a tcp URL other
-        machines can reach is refused without `curve` unless this is True).
+        The keyword arguments are `zmqdp.ConnectOptions`'s, each explained there (or
+        pass one record as `options`). Engines that kept running after an earlier
+        client went away are picked up (RESYNC, docs/protocol.md §2.5).
 
-        Engines that kept running after an earlier client went away are picked up
-        (RESYNC, docs/protocol.md §2.5). Raises `HandshakeTimeout` naming each missing
-        rank. Leaving the block sends ABORT for every live request, then closes every
-        socket; live streams end with `GroupClosed`. An exception raised in the block
-        passes out unchanged; errors of zmqdp's own tasks come out as one plain
-        exception.
+        Raises `HandshakeTimeout` naming each missing rank, `ValueError` for options no
+        group could use. Leaving the block sends ABORT for every live request, then
+        closes every socket; live streams end with `GroupClosed`. An exception raised
+        in the block passes out unchanged; errors of zmqdp's own tasks come out as one
+        plain exception.
 
         Cancellation: cancelled while waiting for the engines, it closes everything
         and leaves nothing running.
@@ -287,7 +280,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
     def would_admit(self, rank: int | None) -> bool:
         """Whether `submit` of a request pinned to `rank` (None: unpinned) would find
         room now with nobody waiting ahead (`wait_submit` would not wait)."""
-        return not self._waiters and self._room_for(rank)
+        return not self._waiters and self._core.room_for(rank)
 
     async def wait_submit(self, request: R) -> RequestStream:
         """`submit`, waiting for room while admission control refuses it: waiters are
@@ -331,28 +324,12 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
         Cancellation: the reply, if it comes later, is dropped.
         """
-        if type(rank) is not int or not 0 <= rank < self.size:
-            raise InvalidRank(rank, self.size, None, "CALL needs an int rank of the group")
-        if type(method) is not str:
-            raise InvalidRequest(quote(method), "the CALL method must be a str")
         if timeout < 0:
             raise ValueError(f"timeout must be >= 0, got {timeout}")
-        if self._core.closed is not None:
-            raise GroupClosed(self._core.closed.cause)
-        if not self._core.is_up(rank):
-            raise EngineDead(rank, f"CALL {method!r}: the rank is not up")
+        self._core.check_call(rank, method)
         call_id, pending = self._calls.open(rank, method)
         try:
-            try:
-                frames = self._wire.encode_call(call_id, method, args)
-            except ProtocolError as exc:
-                raise InvalidRequest(f"CALL {method}", exc.cause) from None
-            limit = self._core.health[rank].max_message_size
-            if sum(map(len, frames)) > limit:
-                raise InvalidRequest(
-                    f"CALL {method}", f"larger than rank {rank} accepts ({limit} bytes)"
-                )
-            self._transport.send(rank, frames)
+            self._transport.send(rank, self._core.call_frames(rank, call_id, method, args))
             with trio.move_on_after(timeout):
                 await pending.done.wait()
         finally:
@@ -391,159 +368,24 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
     def health(self) -> GroupHealth:
         """A snapshot for liveness and readiness probes."""
-        core = self._core
-        up = [r for r in range(self.size) if core.is_up(r)]
-        live = core.closed is None
-        caps = [core.routing.cap(r) for r in up]
-        room = (
-            None
-            if any(c is None for c in caps)
-            else sum(
-                max(0, cast(int, cap) - core.routing.inflight_count(r))
-                for r, cap in zip(up, caps, strict=True)
-            )
-        )
-        return GroupHealth(
-            live=live,
-            ready=live and not core.draining and bool(up),
-            draining=core.draining,
-            ranks_up=len(up),
-            size=self.size,
-            inflight=len(core.book),
-            room=room,
-        )
+        return group_health(self._core)
 
     def statistics(self) -> GroupStatistics:
         """A frozen snapshot of per-rank state and the group's counters."""
-        core = self._core
-        c = core.counters
-        t = self._transport.statistics()
-        return GroupStatistics(
-            ranks=tuple(
-                RankStatistics(
-                    rank=r,
-                    state=self._states[r].value,
-                    inflight=core.routing.inflight_count(r),
-                    load=core.routing.load(r),
-                    batches=core.health[r].batches,
-                    protocol_errors=core.health[r].protocol_errors,
-                    queued=t.queued[r],
-                    cap=core.routing.cap(r),
-                    ttft=core.ttft[r].snapshot(),
-                    latency=core.latency[r].snapshot(),
-                )
-                for r in range(self.size)
-            ),
-            lockstep=self.lockstep,
-            wave=core.clock.wave if core.clock is not None else None,
-            submitted=c.submitted,
-            finished=c.finished,
-            truncated=c.truncated,
-            aborted=c.aborted,
-            failed=c.failed,
-            rolled_back=c.rolled_back,
-            protocol_failed=c.protocol_failed,
-            overflowed=c.overflowed,
-            timed_out=c.timed_out,
-            overloaded=c.overloaded,
-            waiting=len(self._waiters),
-            protocol_errors=c.protocol_errors,
-            malformed_entries=c.malformed_entries,
-            stale_messages=c.stale_messages,
-            late_outputs=c.late_outputs,
-            unknown_outputs=c.unknown_outputs,
-            wakes=core.wake_rounds,
-            stall_wakes=c.stall_wakes,
-            fallbacks=t.handshake.fallbacks + t.input.fallbacks + t.output.fallbacks,
-            rejected_hellos=t.rejected_hellos,
-            ignored_handshake_messages=t.ignored_handshake_messages,
-            stale_registers=t.stale_registers,
-            resyncs=t.resyncs,
-            dropped_answers=t.dropped_answers,
-            identity_conflicts=t.identity_conflicts,
-            refused_connections=t.refused_connections,
-            impersonations=t.impersonations,
+        states = tuple(v.value for v in self._states)
+        return group_statistics(
+            self._core, self._transport.statistics(), states, len(self._waiters)
         )
 
     # -- carrying out -----------------------------------------------------------------
 
-    def _apply(self, fx: Effects[RequestStream], dirty: set[RequestStream] | None = None) -> None:
-        """Carry out what the core decided, in the order of `Effects`' fields."""
-        core = self._core
-        if fx.deliveries:
-            firsts = self._firsts
-            full = RequestStream.deliver_all(
-                fx.deliveries, set() if dirty is None else dirty, firsts
-            )
-            if firsts:
-                now = trio.current_time()
-                for stream in firsts:
-                    if stream.first_output_at is None:
-                        stream.first_output_at = now
-                        core.observe_first_output(stream.rank, now - stream.submitted_at)
-                firsts.clear()
-            if full:
-                limit = self._max_buffered or 0
-                for stream in full:  # (repeated if it overflowed more than once)
-                    if stream.outcome is None:
-                        core.on_overflow(stream.request_id, stream, stream.rank, limit)
-                        self._apply(core.take_effects(), dirty)
-        if fx.ended:
-            now = trio.current_time()
-            for ended, error in fx.ended:
-                stream = ended.handle
-                stream.finish(ended.outcome, error)
-                if ended.outcome is Outcome.FINISHED:
-                    core.observe_finished(stream.rank, now - stream.submitted_at)
-        transport = self._transport
-        for rank, frames in fx.sends:
-            transport.send(rank, frames)
-        for frames in fx.publications:
-            transport.publish(frames)
-        for call_id, replier, why, result in fx.replies:
-            if why is not None:
-                self._calls.fail(call_id, replier, why)
-            else:
-                self._calls.settle(call_id, replier, result)
-        for on_rank, exc in fx.call_failures:
-            self._calls.fail_all(exc, on_rank)
-        for rank in fx.dropped:
-            transport.drop_queued(rank)
-        for rank, resync in fx.forgets:
-            transport.forget(rank, resync=resync)
-        for rank, up in fx.ranks:
-            self._states[rank].value = RankState.UP if up else RankState.DOWN
-        for level, key, message in fx.logs:
-            if key is None:
-                log.log(level, "%s", message)
-            else:
-                self._logs.log(level, key, "%s", message)
-        if fx.closed is not None:
-            closed = fx.closed
-            self._waiters.fail_all(lambda r: GroupClosed(closed.cause, str(getattr(r, "id", r))))
-        if fx.wave is not None:
-            self._wave.value = fx.wave
-        if fx.room:
-            self._after_endings()
-
     def _after_endings(self) -> None:
         """Requests ended (or a rank came up): admit waiters, wake a drain."""
         if self._waiters:
-            self._waiters.admit(self.submit, self._room_for)
+            self._waiters.admit(self.submit, self._core.room_for)
         idle = self._idle
         if idle is not None and not len(self._core.book):
             idle.set()
-
-    def _room_for(self, rank: int | None) -> bool:
-        """Whether a request pinned to `rank` (None: unpinned) is worth trying now: a
-        pinned rank that is up and full is not; anything else is (it fits, or its
-        submit raises the error the waiter should get)."""
-        routing = self._core.routing
-        if rank is None:
-            return any(routing.has_room(r) for r in range(self.size)) or not any(
-                routing.is_up(r) for r in range(self.size)
-            )
-        return not (type(rank) is int and routing.is_up(rank) and not routing.has_room(rank))
 
     def _close_stream(self, stream: RequestStream) -> None:
         """A stream's `async with` ended before its request did: abort it, once."""
@@ -565,24 +407,10 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
             epoch=state.epoch(rank),
             hello_wave=state.wave(rank),
             max_message_size=state.engine_max_message_size(rank),
-            cap=self._cap_of(rank, info),
+            cap=self._max_inflight,
+            info=info,
         )
         self._apply(self._core.take_effects())
-
-    def _cap_of(self, rank: int, info: Mapping[str, Any]) -> int | None:
-        cap = self._max_inflight
-        if cap != "info":
-            return cap
-        seqs = info.get("max_num_seqs")
-        if type(seqs) is int and seqs > 0:
-            return seqs
-        log.warning(
-            "rank %d: max_inflight='info' but its handshake info has no positive int "
-            "'max_num_seqs' (%s): no in-flight cap for it",
-            rank,
-            quote(seqs),
-        )
-        return None
 
     def _rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
         self._core.on_rank_dead(rank, cause, rejoin=rejoin)

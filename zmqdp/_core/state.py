@@ -60,7 +60,7 @@ import collections
 import heapq
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -70,6 +70,7 @@ from .errors import (
     EngineDead,
     GroupClosed,
     GroupDraining,
+    InvalidRank,
     InvalidRequest,
     Overloaded,
     ProtocolError,
@@ -455,6 +456,34 @@ class GroupCore(Generic[H]):
     def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
         """The frames of an ABORT of these wire ids."""
         return self.wire.encode_abort(wire_ids)
+
+    def check_call(self, rank: Any, method: Any) -> None:
+        """A utility call can go to `rank` now, or raise `InvalidRank`,
+        `InvalidRequest`, `GroupClosed` or `EngineDead` (the rank is not up)."""
+        if type(rank) is not int or not 0 <= rank < self.size:
+            raise InvalidRank(rank, self.size, None, "CALL needs an int rank of the group")
+        if type(method) is not str:
+            raise InvalidRequest(quote(method), "the CALL method must be a str")
+        if self.closed is not None:
+            raise GroupClosed(self.closed.cause)
+        if not self.is_up(rank):
+            raise EngineDead(rank, f"CALL {method!r}: the rank is not up")
+
+    def call_frames(
+        self, rank: int, call_id: int, method: str, args: tuple[Any, ...]
+    ) -> Sequence[bytes]:
+        """The call's frames; `InvalidRequest` if it has no wire form or is larger than
+        the rank accepts (§1)."""
+        try:
+            frames = self.wire.encode_call(call_id, method, args)
+        except ProtocolError as exc:
+            raise InvalidRequest(f"CALL {method}", exc.cause) from None
+        limit = self.health[rank].max_message_size
+        if sum(map(len, frames)) > limit:
+            raise InvalidRequest(
+                f"CALL {method}", f"larger than rank {rank} accepts ({limit} bytes)"
+            )
+        return frames
 
     def ending_error(self, ended: Ended[H]) -> ZmqdpError | None:
         """What the stream of a request that ended on the engine's side raises after its
@@ -890,16 +919,42 @@ class GroupCore(Generic[H]):
         epoch: int | None = None,
         hello_wave: int | None = None,
         max_message_size: int | None = None,
-        cap: int | None = None,
+        cap: int | str | None = None,
+        info: Mapping[str, Any] | None = None,
     ) -> None:
-        """A new incarnation of `rank` finished its handshake: it takes requests."""
+        """A new incarnation of `rank` finished its handshake: it takes requests, up to
+        `cap` in flight (`max_inflight`: an int, None for no cap, or "info" for the
+        `max_num_seqs` of its handshake `info`)."""
         if self.closed is not None:
             return
         self.rank_up(
             rank, now, epoch=epoch, hello_wave=hello_wave, max_message_size=max_message_size
         )
-        self.routing.set_cap(rank, cap)
+        self.routing.set_cap(rank, self._cap(rank, cap, info or {}))
         self._fx.rank_state(rank, True)
+
+    def _cap(self, rank: int, cap: int | str | None, info: Mapping[str, Any]) -> int | None:
+        if cap != "info":
+            return cap if type(cap) is int else None
+        seqs = info.get("max_num_seqs")
+        if type(seqs) is int and seqs > 0:
+            return seqs
+        self._fx.warn(
+            f"rank {rank}: max_inflight='info' but its handshake info has no positive int "
+            f"'max_num_seqs' ({quote(seqs)}): no in-flight cap for it"
+        )
+        return None
+
+    def room_for(self, rank: int | None) -> bool:
+        """Whether a request pinned to `rank` (None: unpinned) is worth trying now: a
+        pinned rank that is up and full is not; anything else is (it fits, or its
+        submit raises the error the waiter should get)."""
+        routing = self.routing
+        if rank is None:
+            return any(routing.has_room(r) for r in range(self.size)) or not any(
+                routing.is_up(r) for r in range(self.size)
+            )
+        return not (type(rank) is int and routing.is_up(rank) and not routing.has_room(rank))
 
     def on_rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
         """`rank` is dead (a failed send, a rejoin, a displaced identity, silence, an
