@@ -1,7 +1,7 @@
-"""Twin fake engine groups for benchmarks/bench_vllm.py, each run in a process of its own
-(`_engines.engine_process`) so that neither shares the client's GIL.
+"""Twin fake engine groups for benchmarks/bench_v1_vllm_delivery.py, each run in a process
+of its own (`_engines.engine_process`) so that neither shares the client's GIL.
 
-Both run the same toy scheduler (tests/vllm_fake.py's): every running request gets
+Both run the same toy scheduler (tests/fakes/vllm.py's): every running request gets
 `per_step` new tokens per step (token ids counting up from its last prompt token + 1)
 and ends with LENGTH at its `max_tokens`; a step is **one** message carrying every
 running request's entry and the rank's load, as vLLM's engines send one
@@ -13,7 +13,7 @@ keeps the engines' own codecs out of the figure (zmqdp's CBOR engine encodes a
 128-entry step in ~3x the time msgspec takes): while messages flow, the client is the
 bottleneck, and the benchmark times from the first token a consumer receives.
 
-* `vllm_group`: tests/vllm_fake.py's engines (vLLM 0.33's handshake and wire:
+* `vllm_group`: tests/fakes/vllm.py's engines (vLLM 0.33's handshake and wire:
   msgspec `EngineCoreOutputs`), dense;
 * `native_group`: `zmqdp.engine` engines (docs/protocol.md, CBOR batches stamped with
   the incarnation's epoch and a seq), each output an `Output(wire_id, [token ids],
@@ -28,7 +28,7 @@ import trio
 
 
 def vllm_group(url: str, ranks: int, per_step: int, per_rank: int) -> None:
-    from tests.vllm_fake import FakeVllmEngine, FakeVllmGroup, outputs_message
+    from tests.fakes.vllm import FakeVllmEngine, FakeVllmGroup, outputs_message
     from zmqdp._zmq import ZSocket
 
     class ReplayEngine(FakeVllmEngine):

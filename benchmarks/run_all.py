@@ -29,10 +29,10 @@ SCRIPTS = [
     "bench_p3_lockstep.py",
     "bench_p4_memory.py",
     "bench_p5_slow_rank.py",
-    "bench_select.py",
-    "bench_latency.py",
+    "bench_p6_selection.py",
+    "bench_lat_delivery_latency.py",
     "bench_gateway.py",
-    "bench_vllm.py",
+    "bench_v1_vllm_delivery.py",
 ]
 ORDER = ["P1a", "P1a'", "P1b", "P2", "P3", "P4", "P6", "lat", "P5", "V1"]
 ORDER += ["G32t", "G256t", "G32a", "G256a"]  # bench_gateway.py: HTTP ÷ direct (context)

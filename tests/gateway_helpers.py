@@ -15,11 +15,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from tests.fakes.engines import ScriptedEngine
 from zmqdp._core.messages import Output
 from zmqdp.engine import Abort, Add
 from zmqdp.gateway import CompletionRequest, Piece, Prepared
-
-from .engines import ScriptedEngine
 
 # -- engines and a dialect a test can drive -------------------------------------------
 

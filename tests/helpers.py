@@ -19,6 +19,7 @@ import cbor2
 import trio
 import zmq
 
+from tests.fakes.engines import ScriptedEngine, start_engines
 from zmqdp import EngineGroup, Output, Request
 from zmqdp._core.codec import decode_handshake, decode_request, encode_handshake
 from zmqdp._core.handshake import rank_identity
@@ -27,8 +28,6 @@ from zmqdp._transport import GroupTransport, open_group_transport
 from zmqdp._zmq import ZSocket
 from zmqdp.engine import Wake
 from zmqdp.keys import EngineKeys
-
-from .engines import ScriptedEngine, start_engines
 
 READY_TIMEOUT = 10
 """`ready_timeout` of the groups the tests connect: a group that does not form fails

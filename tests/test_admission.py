@@ -3,7 +3,7 @@ request deadlines, drain and health, over real sockets (ScriptedEngines hold req
 until told to finish them).
 
 The sans-IO rules behind them (no pick past a cap, exactly the due requests expire)
-are property-tested in tests/lifecycle_model.py and tests/test_routing_select.py.
+are property-tested in tests/models/lifecycle.py and tests/core/test_routing.py.
 """
 
 from __future__ import annotations

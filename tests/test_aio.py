@@ -2,7 +2,7 @@
 
 Every test runs under both `asyncio.run` and `uvloop.run` (the `run` fixture), with an
 `asyncio.timeout` around its body. The engines run in a trio run of their own, in
-another thread (`EngineThread`, tests/threaded_engines.py), so the loop under test never
+another thread (`EngineThread`, tests/fakes/threaded.py), so the loop under test never
 runs them and a blocked loop does not block them; the test sees them through the
 snapshots they publish (`View`) and drives them from a worker thread.
 
@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import trio
 
+from tests.fakes.threaded import RUNNERS, EngineThread, Run, loop_runner, url_in, wait_until
 from zmqdp import (
     CallFailed,
     CallTimeout,
@@ -44,7 +45,6 @@ from zmqdp.engine import Add, Output
 from zmqdp.mock import MockConfig
 
 from .helpers import READY_TIMEOUT
-from .threaded_engines import RUNNERS, EngineThread, Run, loop_runner, url_in, wait_until
 
 HOLD = {"hold": True}
 

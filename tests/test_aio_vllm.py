@@ -1,5 +1,5 @@
 """`zmqdp.aio` driving vLLM engines: an asyncio (and uvloop) host on vLLM's wire, with the
-fake vLLM engines of tests/vllm_fake.py in a trio run of their own thread.
+fake vLLM engines of tests/fakes/vllm.py in a trio run of their own thread.
 
 The same `AsyncioEngineGroup` as natively, given `zmqdp.vllm.dialect(...)`: this is what
 the one-core structure buys (the group is generic over its wire, not subclassed).
@@ -19,12 +19,11 @@ import pytest
 import trio
 
 import zmqdp.vllm
+from tests.fakes.threaded import TIME_LIMIT, Run, loop_runner, wait_until
+from tests.fakes.vllm import FakeVllmGroup
 from zmqdp import GroupClosed, RankState
 from zmqdp.aio import AsyncioEngineGroup
 from zmqdp.vllm import SamplingParams, VllmOutput, VllmRequest
-
-from .threaded_engines import TIME_LIMIT, Run, loop_runner, wait_until
-from .vllm_fake import FakeVllmGroup
 
 run = pytest.fixture(params=["asyncio", "uvloop"], name="run")(loop_runner)
 

@@ -470,15 +470,15 @@ def test_split_keeps_every_entry_in_order_under_the_limit(
 # -- (e) raw frames -------------------------------------------------------------------
 
 
-async def test_for_testing_send_raw_sends_frames_verbatim(ctx: Any, tmp_path: Path) -> None:
+async def testsend_raw_for_testing_sends_frames_verbatim(ctx: Any, tmp_path: Path) -> None:
     client = FakeClient(ctx, tmp_path)
     app = App(client.url)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(app.run)
         await client.handshake(1)
         await app.connected.wait()
-        await app.engine._for_testing_send_raw([b"\xff not cbor"])
-        await app.engine._for_testing_send_raw([b"a", b"", b"c"])
+        await app.engine.send_raw_for_testing([b"\xff not cbor"])
+        await app.engine.send_raw_for_testing([b"a", b"", b"c"])
         await app.engine.send(OutputBatch(0))  # in order with send(), seq untouched
         assert await client.message() == [b"\xff not cbor"]
         assert await client.message() == [b"a", b"", b"c"]

@@ -8,7 +8,7 @@ and metrics, the drain, and the `serve --server uvicorn` command's SIGTERM drain
 
 Every in-process test runs under both `asyncio.run` and `uvloop.run` (the `run` fixture)
 with an `asyncio.timeout` around its body. The engines are `TokenEngine`s in a trio run
-of their own, in another thread (`EngineThread`, tests/threaded_engines.py): the test
+of their own, in another thread (`EngineThread`, tests/fakes/threaded.py): the test
 sees what reached them (an ADD, an ABORT) through their snapshots, and drives them from
 a worker thread. Nothing waits on the clock to synchronize: waits are on engine
 snapshots or, for state the guest trio run changes in its own steps, a check at every
@@ -31,6 +31,15 @@ import pytest
 import trio
 import uvicorn
 
+from tests.fakes.threaded import (
+    RUNNERS,
+    EngineThread,
+    Run,
+    loop_runner,
+    run_limited,
+    url_in,
+    wait_until,
+)
 from zmqdp import GroupStatistics
 from zmqdp.aio import AsyncioEngineGroup
 from zmqdp.gateway import GatewayApp, create_app
@@ -48,15 +57,6 @@ from .gateway_helpers import (
     served_url,
 )
 from .helpers import READY_TIMEOUT
-from .threaded_engines import (
-    RUNNERS,
-    EngineThread,
-    Run,
-    loop_runner,
-    run_limited,
-    url_in,
-    wait_until,
-)
 
 run = pytest.fixture(params=sorted(RUNNERS), name="run")(loop_runner)
 

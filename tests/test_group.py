@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.fakes.engines import ScriptedEngine, start_engines
 from zmqdp import (
     CallFailed,
     DuplicateRequestId,
@@ -32,7 +33,6 @@ from zmqdp import (
 from zmqdp.engine import Abort, Add, Resync, Wake
 from zmqdp.mock import MockConfig, run_mock_group
 
-from .engines import ScriptedEngine, start_engines
 from .helpers import READY_TIMEOUT, collect, group_of, inflight, wait_until, wakes
 
 # -- SMG §7.2 ports -------------------------------------------------------------------
@@ -146,7 +146,7 @@ async def test_an_undecodable_batch_kills_the_rank_at_once(tmp_path: Path) -> No
             await engines[0].wait_for(lambda: engines[0].holds("r"))
             out = engines[0].engine
             assert out is not None
-            await out._for_testing_send_raw([b"\xc1"])  # not CBOR at all
+            await out.send_raw_for_testing([b"\xc1"])  # not CBOR at all
             with pytest.raises(EngineDead, match=r"connection error.*invalid CBOR"):
                 await stream.receive()
         assert group.statistics().protocol_errors == 1
@@ -362,7 +362,7 @@ async def test_an_invalid_batch_kills_only_its_rank_which_comes_back(
     async with group_of(tmp_path, 2) as (group, engines):
         out = engines[0].engine
         assert out is not None
-        await out._for_testing_send_raw([body])
+        await out.send_raw_for_testing([body])
         await group.rank_state(0).wait_value(RankState.DOWN)
         assert group.statistics().protocol_errors == 1
         assert (await collect(group, Request("ok", 1)))[0].body == 1  # rank 1 serves
@@ -515,7 +515,7 @@ async def test_lockstep_group_fails_whole_for_every_cause(tmp_path: Path, cause:
                 await e1.emit(dead="bye")
             elif cause == "decode errors":
                 assert e1.engine is not None
-                await e1.engine._for_testing_send_raw([b"\xff"])
+                await e1.engine.send_raw_for_testing([b"\xff"])
             elif cause == "rejoin":
                 nursery.start_soon(ScriptedEngine(url, 1, 2, lockstep=True).run)
             else:  # silence: rank 0 keeps talking, rank 1 says nothing more

@@ -28,6 +28,7 @@ import trio
 import trio.testing
 import zmq
 
+from tests.fakes.engines import ScriptedEngine, start_engines
 from zmqdp import (
     EngineDead,
     EngineGroup,
@@ -42,7 +43,6 @@ from zmqdp._core.state import GroupCore
 from zmqdp._zmq import ZSocket
 from zmqdp.engine import Abort
 
-from .engines import ScriptedEngine, start_engines
 from .helpers import RawEngine, collect, group_in_background, group_of, raw, wait_until
 
 # -- nobody blocks anybody ------------------------------------------------------------

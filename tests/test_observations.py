@@ -26,6 +26,7 @@ import trio
 import trio.testing
 import zmq
 
+from tests.fakes.engines import ScriptedEngine, start_engines
 from zmqdp import (
     EngineDead,
     EngineGroup,
@@ -42,7 +43,6 @@ from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Init, Reject, Resync
 from zmqdp.engine import Abort, Add, Engine, OutputBatch, connect_engine
 
-from .engines import ScriptedEngine, start_engines
 from .helpers import (
     READY_TIMEOUT,
     RawEngine,
@@ -319,7 +319,7 @@ async def test_a_malformed_entry_fails_only_the_request_it_names(tmp_path: Path)
                     {"id": b.wire_id, "body": "B", "finish": 7},
                 ],
             }
-            await eng._for_testing_send_raw([cbor2.dumps(body)])
+            await eng.send_raw_for_testing([cbor2.dumps(body)])
             assert [o async for o in a] == [Output("a", "A", "stop")]
             with pytest.raises(ProtocolError, match=r"rank 0, request 'b'.*finish") as info:
                 await b.receive()
@@ -330,7 +330,7 @@ async def test_a_malformed_entry_fails_only_the_request_it_names(tmp_path: Path)
         assert group.rank_state(0).value is RankState.UP
         assert inflight(group) == [0]
         # an entry without a usable id: counted, nothing else happens
-        await eng._for_testing_send_raw(
+        await eng.send_raw_for_testing(
             [cbor2.dumps({"rank": 0, "epoch": eng.epoch, "finished": [42]})]
         )
         await wait_until(lambda: group.statistics().malformed_entries == 2)
@@ -353,7 +353,7 @@ async def test_a_message_with_the_wrong_frame_count_kills_the_rank_at_once(
         e0 = engines[0]
         async with group.submit(Request("r", {"hold": True}, rank=0)) as stream:
             await e0.wait_for(lambda: stream.wire_id in e0.held)
-            await the_engine(e0)._for_testing_send_raw([b"x", b"y"])
+            await the_engine(e0).send_raw_for_testing([b"x", b"y"])
             with pytest.raises(EngineDead, match=r"rank 0, request 'r'.*2 frames") as info:
                 await stream.receive()
         assert "connection error" in info.value.cause
@@ -494,7 +494,7 @@ async def test_a_wave_of_2_64_minus_1_is_a_connection_error_and_never_a_wake(
         await e1.wait_for(lambda: s1.wire_id in e1.held)
         eng = the_engine(e0)
         body = {"rank": 0, "epoch": eng.epoch, key: 2**64 - 1}
-        await eng._for_testing_send_raw([cbor2.dumps(body)])
+        await eng.send_raw_for_testing([cbor2.dumps(body)])
         with pytest.raises(EngineDead, match=r"rank 0, request 'a'.*connection error"):
             await s0.receive()
         with pytest.raises(GroupClosed, match=r"lockstep group failed.*rank 0"):

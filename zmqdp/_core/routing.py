@@ -26,7 +26,7 @@ are no locks at all: the object is used from one trio task at a time.
   an infinite score is skipped by both. Every change to a score (the reservation in
   `select`, `release` and the load zeroing in it, `observe_load`, `set_up`, `take_down`)
   rewrites its leaf with what `score` returns, so both compare the same floats (never
-  NaN: an unknown KV usage adds nothing). tests/test_routing_select.py runs the two
+  NaN: an unknown KV usage adds nothing). tests/core/test_routing.py runs the two
   side by side.
 * Admission: a rank may have an in-flight cap (`set_cap`). A rank at its cap is not a
   candidate (its leaf is +inf, as for a down rank); a request pinned to it, or an
@@ -81,7 +81,7 @@ class Routing:
     TREE_MIN_SIZE: ClassVar[int] = 8
     """The smallest group that selects through the index. A select + release pair breaks
     even at 3 to 4 ranks, but the index also adds about 0.35 µs to every load report;
-    at 8 a pair is about 1.2 µs cheaper than the scan (benchmarks/bench_select.py)."""
+    at 8 a pair is about 1.2 µs cheaper than the scan (benchmarks/bench_p6_selection.py)."""
 
     def __init__(self, size: int, *, up: bool = False, tree: bool | None = None) -> None:
         if size < 1:

@@ -276,7 +276,7 @@ class GroupCore(Generic[H]):
     """Sans-IO state of one engine group; `H` is the trio layer's per-request handle.
 
     Each rule that a property test guards is one small method (`_decode`, `_is_stale`,
-    `_fits`), so that tests/mutants.py can break exactly that rule.
+    `_fits`), so that tests/models/mutants.py can break exactly that rule.
     """
 
     routing_cls: type[Routing] = Routing

@@ -330,7 +330,7 @@ WIRE_VERSIONS = ("0.32", "0.33")
 in who starts a wave: a 0.32 engine that gets an ADD for its own wave while parked
 reports nothing (vLLM 0.32's frontend woke its peers with FIRST_REQ), a 0.33 engine
 always reports `start_wave`. zmqdp's WAKE after ADDs (docs/protocol.md §5) wakes the
-peers in both cases, so one client rule serves both; tests/vllm_wave_model.py checks
+peers in both cases, so one client rule serves both; tests/models/vllm_waves.py checks
 it against each version's engine rules."""
 
 

@@ -87,7 +87,7 @@ def start_dp_wave(wave: int) -> tuple[int, int | None]:
     in a wave the clock has since seen complete), and excluding it would wake its peers
     without it. An engine that is already running at `c` is unaffected by the wake;
     one running at a lower wave never is (the clock never leads), so including the
-    reporter is always safe. tests/vllm_wave_model.py checks both claims."""
+    reporter is always safe. tests/models/vllm_waves.py checks both claims."""
     return wave, None
 
 

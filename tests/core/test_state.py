@@ -9,14 +9,13 @@ from typing import Any
 import cbor2
 import pytest
 
+from tests.models.long_batches import check_long_batches
 from zmqdp._core.codec import decode_request
 from zmqdp._core.errors import GroupClosed, InvalidRequest
 from zmqdp._core.handshake import MAX_REJECTIONS_KEPT, HandshakeState, rank_identity
 from zmqdp._core.messages import Hello
 from zmqdp._core.requests import Outcome
 from zmqdp._core.state import GroupCore
-
-from .long_batches import check_long_batches
 
 EPOCH = [10, 20]
 

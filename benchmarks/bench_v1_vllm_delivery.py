@@ -1,13 +1,13 @@
 """V1: zmqdp's vLLM dialect, tokens per second delivered to consumers, ÷ the native
 `EngineGroup` against equivalent engines.
 
-    .venv/bin/python benchmarks/bench_vllm.py [--quick] [--ranks N] [--requests R]
+    .venv/bin/python benchmarks/bench_v1_vllm_delivery.py [--quick] [--ranks N] [--requests R]
         [--tokens T] [--per-step K] [--rounds 7]
 
 Two fake engine groups run in processes of their own (benchmarks/_vllm_engines.py) with
 the same toy scheduler: `ranks` ranks, each step one message carrying `per_step` new
 tokens of every running request (vLLM's engines send one `EngineCoreOutputs` per step).
-One is tests/vllm_fake.py's vLLM 0.33 engines (msgspec `EngineCoreOutputs`), driven by
+One is tests/fakes/vllm.py's vLLM 0.33 engines (msgspec `EngineCoreOutputs`), driven by
 `zmqdp.vllm.VllmEngineGroup`; the other is `zmqdp.engine` engines (docs/protocol.md,
 CBOR), driven by `zmqdp.EngineGroup`. Both groups stay connected; rounds alternate
 between them: `requests` requests of `tokens` tokens submitted at once (request i pinned

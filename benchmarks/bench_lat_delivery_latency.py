@@ -1,6 +1,6 @@
 """Latency from an engine's send to the consumer, one output every 2 ms.
 
-    .venv/bin/python benchmarks/bench_latency.py [--quick] [--tokens 500] [--rounds 3]
+    .venv/bin/python benchmarks/bench_lat_delivery_latency.py [--quick] [--tokens 500] [--rounds 3]
 
 An engine process (`_engines.paced`) streams one output every `--interval` seconds,
 stamped with `time.monotonic()` when sent (one clock for all processes of a machine);

@@ -10,7 +10,7 @@ import math
 import pytest
 from hypothesis import settings
 
-from tests.lifecycle_model import RetirementMachine
+from tests.models.lifecycle import RetirementMachine
 from zmqdp._core.errors import DuplicateRequestId, InvalidRank, NoEngineAvailable
 from zmqdp._core.messages import Load, Output
 from zmqdp._core.requests import Outcome, RequestBook

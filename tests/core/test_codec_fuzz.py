@@ -7,7 +7,7 @@ hostile value). Whatever a decoder accepts, the package's own encoder encodes ag
 and that encoding decodes back to the same message (the round trip of what was
 accepted).
 
-tests/test_codec.py already feeds short random bytes and random CBOR heads to the
+tests/core/test_codec.py already feeds short random bytes and random CBOR heads to the
 decoders; this module starts from *valid* messages instead, so that the inputs get past
 the first checks and reach the deep ones:
 

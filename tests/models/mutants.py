@@ -18,7 +18,7 @@ from zmqdp._core.state import BatchRest, BatchResult, GroupCore, RankHealth
 from zmqdp._core.waves import WaveClock
 from zmqdp._core.wire import NativeWire
 
-# -- request lifecycle (caught by tests/lifecycle_model.py) ----------------------------
+# -- request lifecycle (caught by tests/models/lifecycle.py) ----------------------------
 
 
 class IgnoresEpoch(GroupCore[Any]):
@@ -132,7 +132,7 @@ class NoSizeCheck(GroupCore[Any]):
         return True
 
 
-# -- the outbox (caught by tests/outbox_model.py) ----------------------------------------
+# -- the outbox (caught by tests/models/outbox.py) ----------------------------------------
 
 
 class HeadOfLineOutbox(Outbox[Any]):
@@ -149,7 +149,7 @@ class HeadOfLineOutbox(Outbox[Any]):
         return out
 
 
-# -- waves (caught by tests/wave_model.py) ---------------------------------------------
+# -- waves (caught by tests/models/waves.py) ---------------------------------------------
 
 
 class BumpingClock(WaveClock):

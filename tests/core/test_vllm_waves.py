@@ -1,5 +1,5 @@
 """`zmqdp.vllm.connect`'s group's wave translation against vLLM 0.33's engine rules
-(tests/vllm_wave_model.py): every interleaving of small groups, a Hypothesis-driven
+(tests/models/vllm_waves.py): every interleaving of small groups, a Hypothesis-driven
 machine, and the broken translations shown caught."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from tests.test_mutants import HUNT
-from tests.vllm_wave_model import (
+from tests.core.test_mutants import HUNT
+from tests.models.vllm_waves import (
     BROKEN_DIALECTS,
     BumpingDialect,
     ExcludesReporterDialect,

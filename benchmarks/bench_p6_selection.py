@@ -1,6 +1,6 @@
 """Cost of one least-loaded pick (P6): the selection index against the linear scan.
 
-    .venv/bin/python benchmarks/bench_select.py [--quick]
+    .venv/bin/python benchmarks/bench_p6_selection.py [--quick]
 
 One step is an unpinned `Routing.select` and the `release` of that id, in steady state:
 every rank is up, holds 0 to 4 pinned requests and has reported a random load (waiting

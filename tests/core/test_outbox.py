@@ -1,5 +1,5 @@
 """The input task's per-rank outbox (`_core/outbox.py`): examples, then the state machine
-of tests/outbox_model.py."""
+of tests/models/outbox.py."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import math
 
 from hypothesis import settings
 
+from tests.models.outbox import OutboxMachine
 from zmqdp._core.outbox import Outbox
-
-from .outbox_model import OutboxMachine
 
 TestOutbox = OutboxMachine.TestCase
 TestOutbox.settings = settings(settings.default, stateful_step_count=60)

@@ -1,4 +1,4 @@
-"""vLLM 0.33's engine-side wave rules as a rank variant of tests/wave_model.py, driven by
+"""vLLM 0.33's engine-side wave rules as a rank variant of tests/models/waves.py, driven by
 the wave translation `zmqdp.vllm.connect`'s group uses (or a broken one).
 
 The ranks are vLLM's `DPEngineCoreProc` with a coordinator (/work/shared/reference/
@@ -33,7 +33,7 @@ The client is a `Dialect`: what it stamps on ADDs, what it publishes and when.
 `VllmCoordinatorDialect` is vLLM 0.33's own coordinator (no front-end wake), for
 comparison; the rest are deliberately broken translations that must be caught.
 
-`explore` (tests/wave_model.py) searches every interleaving; `VllmWaveMachine` lets
+`explore` (tests/models/waves.py) searches every interleaving; `VllmWaveMachine` lets
 Hypothesis pick them. The property is the same as for zmqdp's engines: when nothing more
 can happen, every request has finished and no rank runs while another is parked.
 """
@@ -49,8 +49,8 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from tests import mutants
-from tests.wave_model import Checks, SearchResult, explore
+from tests.models import mutants
+from tests.models.waves import Checks, SearchResult, explore
 from zmqdp._core.waves import WaveClock
 from zmqdp.vllm.wire import request_wave, start_dp_wave
 

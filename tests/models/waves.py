@@ -64,7 +64,7 @@ class Rank:
 
 class Checks:
     """What `explore` asks of a model state, shared by `World` and the vLLM model
-    (tests/vllm_wave_model.py): apply an action, and say what is wrong at a dead end."""
+    (tests/models/vllm_waves.py): apply an action, and say what is wrong at a dead end."""
 
     cfg: Any
     ranks: list[Any]
@@ -238,7 +238,7 @@ def search(
 
 def explore(start: Any, limit: int = 2_000_000) -> SearchResult:
     """`search` from any start state with `clone`, `key`, `actions`, `apply` and
-    `stuck` (tests/vllm_wave_model.py uses it for vLLM's engine rules)."""
+    `stuck` (tests/models/vllm_waves.py uses it for vLLM's engine rules)."""
     cfg = start.cfg
     parents: dict[tuple[Any, ...], tuple[tuple[Any, ...], tuple[str, int]] | None] = {
         start.key(): None

@@ -8,7 +8,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from tests.wave_model import Config, WaveMachine, search
+from tests.models.waves import Config, WaveMachine, search
 from zmqdp._core.waves import WaveClock
 
 

@@ -1,4 +1,4 @@
-"""Each deliberately broken variant of the core (tests/mutants.py) must be caught.
+"""Each deliberately broken variant of the core (tests/models/mutants.py) must be caught.
 
 This proves the property tests can fail: a state machine or search that passes for the
 real core and for a broken one checks nothing. Runs are derandomized so the verdict does
@@ -14,11 +14,11 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from tests import mutants
-from tests.lifecycle_model import RetirementMachine
-from tests.long_batches import check_long_batches
-from tests.outbox_model import OutboxMachine
-from tests.wave_model import Config, WaveMachine, search
+from tests.models import mutants
+from tests.models.lifecycle import RetirementMachine
+from tests.models.long_batches import check_long_batches
+from tests.models.outbox import OutboxMachine
+from tests.models.waves import Config, WaveMachine, search
 
 HUNT = settings(
     max_examples=2000,
