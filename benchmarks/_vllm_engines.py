@@ -90,7 +90,7 @@ async def _native_rank(url: str, rank: int, size: int, per_step: int, per_rank: 
                 bodies.append(encode_batch(batch))
                 seq += 1
             for body in bodies:
-                await eng._for_testing_send_raw([body])
+                await eng.send_raw_for_testing([body])
 
 
 def native_group(url: str, ranks: int, per_step: int, per_rank: int) -> None:

@@ -8,7 +8,7 @@ Two fake engine groups run in processes of their own (benchmarks/_vllm_engines.p
 the same toy scheduler: `ranks` ranks, each step one message carrying `per_step` new
 tokens of every running request (vLLM's engines send one `EngineCoreOutputs` per step).
 One is tests/fakes/vllm.py's vLLM 0.33 engines (msgspec `EngineCoreOutputs`), driven by
-`zmqdp.vllm.VllmEngineGroup`; the other is `zmqdp.engine` engines (docs/protocol.md,
+`zmqdp.vllm.connect`; the other is `zmqdp.engine` engines (docs/protocol.md,
 CBOR), driven by `zmqdp.EngineGroup`. Both groups stay connected; rounds alternate
 between them: `requests` requests of `tokens` tokens submitted at once (request i pinned
 to rank i mod `ranks`, so that each rank knows how many to wait for), each read by its

@@ -470,7 +470,7 @@ def test_split_keeps_every_entry_in_order_under_the_limit(
 # -- (e) raw frames -------------------------------------------------------------------
 
 
-async def testsend_raw_for_testing_sends_frames_verbatim(ctx: Any, tmp_path: Path) -> None:
+async def test_send_raw_for_testing_sends_frames_verbatim(ctx: Any, tmp_path: Path) -> None:
     client = FakeClient(ctx, tmp_path)
     app = App(client.url)
     async with trio.open_nursery() as nursery:

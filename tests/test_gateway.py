@@ -663,3 +663,42 @@ async def test_a_startup_failure_is_one_line_naming_the_cause(tmp_path: Path, se
     assert rc != 0, out
     assert "try: curl" not in out and "ExceptionGroup" not in out and "sub-exception" not in out
     assert "HandshakeTimeout" in out and "rank 0" in out.split("HandshakeTimeout", 1)[1], out
+
+
+class _VllmTokenDialect:
+    """A gateway dialect for a vLLM group (test stand-in for issue 22's real one): a
+    token-id prompt becomes a `VllmRequest`, each output's token ids become text."""
+
+    def prepare(self, request: Any) -> Any:
+        from zmqdp.gateway import Piece, Prepared
+        from zmqdp.vllm import SamplingParams, VllmRequest
+
+        ids = list(request.prompt) if not isinstance(request.prompt, str) else [1, 2]
+        sampling = SamplingParams(temperature=0.0, max_tokens=request.max_tokens)
+
+        def decode(output: Any) -> Any:
+            return Piece("".join(f" v{t}" for t in output.body.token_ids), 1, output.finish)
+
+        def make(request_id: str, rank: int | None) -> VllmRequest:
+            return VllmRequest(request_id, ids, sampling, rank=rank)
+
+        return Prepared(None, len(ids), decode, make)
+
+
+async def test_the_gateway_serves_a_group_on_vllms_wire() -> None:
+    """The gateway takes any group: an `EngineGroup[VllmRequest]` (fake vLLM engines)
+    behind the same app, its dialect building vLLM's requests."""
+    from tests.test_vllm_group import vllm_group
+
+    async with vllm_group(2) as (group, fake):
+        app = create_app(group=group, dialect=_VllmTokenDialect())
+        async with serving(app) as client:
+            response = await client.post(
+                "/v1/completions", json={"prompt": [10, 20], "max_tokens": 3}
+            )
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["choices"][0]["finish_reason"] == "length"
+            assert body["choices"][0]["text"].count(" v") == 3
+            assert body["usage"]["completion_tokens"] == 3
+        assert sum(len(e.got("add")) for e in fake.engines) == 1

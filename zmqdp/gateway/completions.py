@@ -49,6 +49,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from .._core.errors import ZmqdpError
 from ..values import Request
@@ -195,7 +196,12 @@ class _Response:
         return error
 
     async def _submit(self) -> StreamLike:
-        request = Request(self.request_id, self.prepared.body, self.pinned)
+        make = self.prepared.request
+        request: Any = (
+            Request(self.request_id, self.prepared.body, self.pinned)
+            if make is None
+            else make(self.request_id, self.pinned)
+        )
         wait = self.settings.queue_timeout
         if wait <= 0:
             return self.group.submit(request)

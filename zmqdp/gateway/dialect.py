@@ -73,6 +73,10 @@ class Prepared:
     prompt_tokens: int
     decode: Callable[[Output], Piece]
     """Called for each output of this request, in order (module docstring)."""
+    request: Callable[[str, int | None], Any] | None = None
+    """Builds the group's request from the gateway's request id and pinned rank, for a
+    group on another wire (a `zmqdp.vllm.VllmRequest`); None: a `zmqdp.Request`
+    carrying `body` (the native wire)."""
 
 
 class Dialect(Protocol):
