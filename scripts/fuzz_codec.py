@@ -1,8 +1,8 @@
-"""Long-run codec fuzz: the properties of tests/test_codec_fuzz.py, many more examples.
+"""Long-run codec fuzz: the properties of tests/core/test_codec_fuzz.py, many more examples.
 
     .venv/bin/python scripts/fuzz_codec.py --examples 100000 [--seed N]
 
-Runs every property of `tests.test_codec_fuzz.PROPERTIES` (arbitrary bytes, byte-level
+Runs every property of `tests.core.test_codec_fuzz.PROPERTIES` (arbitrary bytes, byte-level
 mutations of valid messages, hostile values inside valid messages) with an even share
 of `--examples`, and prints, per property and decoder, how many inputs were decoded,
 ignored (an unknown request type) or rejected with `ProtocolError`, the slowest
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 from hypothesis.strategies import SearchStrategy  # noqa: E402
 
-from tests.test_codec_fuzz import DECODERS, PROPERTIES, Case, exercise  # noqa: E402
+from tests.core.test_codec_fuzz import DECODERS, PROPERTIES, Case, exercise  # noqa: E402
 
 SLOW_SECONDS = 1.0
 SMALL_INPUT = 64 * 1024
