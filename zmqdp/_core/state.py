@@ -1049,12 +1049,26 @@ class GroupCore(Generic[H]):
         """A long batch is in hand: the dispatcher should not park."""
         return bool(self._long)
 
+    def in_hand(self) -> list[int]:
+        """The ranks whose long batch is in hand now: `advance` them after this pass's
+        messages (a batch started in this pass waits for the next)."""
+        return list(self._long)
+
+    def on_output(self, frames: list[bytes], now: float) -> None:
+        """One output-socket message: applied now, or held behind its rank's long batch
+        (`held_limit`), to keep that rank's order."""
+        self._take(self.wire.read(frames, self.size), now)
+
+    def advance(self, ranks: list[int], now: float) -> None:
+        """One slice of the long batch of each of `ranks` (from `in_hand`); a rank whose
+        batch is done gets the messages held behind it applied, in order."""
+        self._advance(ranks, now)
+
     def on_outputs(self, messages: list[list[bytes]], now: float, *, advance: bool = True) -> None:
-        """One drained batch of output-socket messages, then one slice of each long
-        batch that was in hand before them (a batch started now waits for the next
-        pass): one rank's long batch holds up nobody else; that rank's own later
-        messages wait behind it (`held_limit`), in order. `advance=False`: only take
-        the messages (reading ahead before judging silence)."""
+        """`on_output` for each of a drained batch of messages, then `advance` the long
+        batches that were in hand before them (one rank's long batch holds up nobody
+        else). `advance=False`: only take the messages (reading ahead before judging
+        silence)."""
         in_hand = list(self._long) if self._long and advance else None
         for frames in messages:
             self._take(self.wire.read(frames, self.size), now)
