@@ -451,6 +451,14 @@ class TransportBase:
             impersonations=extra.get("impersonations", 0),
         )
 
+    def _close_sockets(self) -> None:
+        """Close every socket at once (a constructor that failed half-way, `close`)."""
+        for zs in self._sockets:
+            zs.close()
+        self._sockets = []
+        if self._own_context:
+            self.context.term()
+
     def _closed(self) -> None:
         """After every socket closed (natively: remove the ipc socket files bound)."""
 
@@ -773,16 +781,9 @@ class GroupTransport(TransportBase):
             "impersonations": 0 if self.binding is None else self.binding.impersonations,
         }
 
-    def _close_sockets(self) -> None:
-        for zs in self._sockets:
-            zs.close()
-        if self._own_context:
-            self.context.term()
-
     def close(self) -> None:
         """Close every socket (unsent messages are dropped) and the context."""
         self._close_sockets()
-        self._sockets = []
         if self._bound:
             remove_socket_files(self.address)
 

@@ -1135,14 +1135,14 @@ class GroupCore(Generic[H]):
         if be is not None:
             if be.deliveries:
                 fx.deliver(be.deliveries)
-            broken: list[str] = []
             for ended in be.ended:
                 fx.end(ended, self.ending_error(ended))
-                if ended.outcome is Outcome.PROTOCOL_ERROR:
-                    broken.append(ended.wire_id)
-            if broken and self.wire.abort_malformed and self.is_up(rank):
-                # The engine would run it on (zmqdp's slot is already free): stop it.
-                fx.send(rank, self.encode_abort(tuple(broken)))
+            if be.ended and self.wire.abort_malformed and self.is_up(rank):
+                # The engine would run a request its malformed entry ended on to
+                # max_tokens (zmqdp's slot is already free): stop it.
+                broken = tuple(e.wire_id for e in be.ended if e.outcome is Outcome.PROTOCOL_ERROR)
+                if broken:
+                    fx.send(rank, self.encode_abort(broken))
         if result.wake is not None:
             self._wake_due = True  # answered once, at the end of the pass
         for reply in result.replies:

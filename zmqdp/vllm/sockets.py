@@ -148,7 +148,7 @@ class VllmTransport(TransportBase):
             if lockstep:
                 self.coordinator = self._bind(zmq.XPUB, _sibling(url, "coordinator"))
         except BaseException:
-            self._close_all()
+            self._close_sockets()
             raise
         self.input_address = self._advertised(self.input, advertise_host)
         self.output_address = self._advertised(self.output, advertise_host)
@@ -255,7 +255,7 @@ class VllmTransport(TransportBase):
         self._rank_is_up(rank, f"vLLM {self.state.version(rank)}")
 
     def _on_input_message(self, frames: list[bytes]) -> None:
-        """The engines' ready responses (`InputOwner`)."""
+        """The engines' ready responses (`TransportBase.serve_input` reads them)."""
         if len(frames) == 2:
             try:
                 info = decode_ready_response(frames[1])
@@ -283,12 +283,6 @@ class VllmTransport(TransportBase):
                 # XPUB never blocks: a slow subscriber drops (at HWM, unbounded here).
                 zs.send_nowait(self._published.popleft())
             await zs.wait_readable_or_kicked()
-
-    def _close_all(self) -> None:
-        for zs in self._sockets:
-            zs.close()
-        self._sockets = []
-        self.context.term()
 
 
 @asynccontextmanager
