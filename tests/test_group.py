@@ -436,19 +436,30 @@ async def test_a_send_to_a_rank_whose_engine_is_gone_fails_its_request_at_once(
             # no route to rank 1 is left, so the ADD below cannot go into a pipe that is
             # going away (it would be lost, and only silence would fail the request).
             await wait_until(lambda: fd_wakeups() > parked)
-            async with g.submit(Request("lost", {"hold": True}, rank=1)) as stream:
-                with pytest.raises(EngineDead, match=r"rank 1, request 'lost'.*EHOSTUNREACH"):
-                    await stream.receive()
+            # The handshake socket's monitor may have seen the connection close first
+            # (issue 20): then rank 1 is down already and the submit is refused.
+            try:
+                async with g.submit(Request("lost", {"hold": True}, rank=1)) as stream:
+                    with pytest.raises(
+                        EngineDead,
+                        match=r"rank 1, request 'lost'.*(EHOSTUNREACH|connection closed)",
+                    ):
+                        await stream.receive()
+            except InvalidRank:
+                assert g.rank_state(1).value is RankState.DOWN
             assert (await collect(g, Request("fine", "x")))[0].body == "x"
         nursery.cancel_scope.cancel()
 
 
-async def test_a_request_whose_engine_vanished_after_taking_it_fails_by_silence(
+async def test_a_request_whose_engine_says_nothing_after_taking_it_fails_by_silence(
     tmp_path: Path,
 ) -> None:
-    """Rank 1's engine takes the ADD, then its process is gone. The client sends
-    nothing more to rank 1, so no send can fail: the silence watchdog declares the rank
-    dead (silence_timeout=1 s) and fails the request, and rank 0 keeps serving."""
+    """Rank 1's engine takes the ADD, then says nothing, its connections open (a hung
+    engine whose libzmq still answers heartbeats). The client sends nothing more to
+    rank 1, so no send can fail: the silence watchdog declares the rank dead
+    (silence_timeout=1 s) and fails the request, and rank 0 keeps serving. (An engine
+    whose process is gone is seen at once by its connection's close:
+    tests/test_liveness.py.)"""
     url = f"ipc://{tmp_path}/g"
     async with trio.open_nursery() as nursery:
         engines = [ScriptedEngine(url, r, 2) for r in range(2)]
@@ -463,7 +474,6 @@ async def test_a_request_whose_engine_vanished_after_taking_it_fails_by_silence(
         async with EngineGroup.connect(url, 2, ready_timeout=READY_TIMEOUT, silence_timeout=1) as g:
             async with g.submit(Request("lost", {"hold": True}, rank=1)) as stream:
                 await engines[1].wait_for(lambda: engines[1].holds("lost"))
-                killer.cancel()
                 with pytest.raises(
                     EngineDead, match=r"rank 1, request 'lost'.*silent for .* holding 1 request"
                 ):

@@ -15,7 +15,7 @@ import trio
 import zmq
 
 import zmqdp.vllm
-from tests.fakes.vllm import FakeVllmGroup, output_entry, outputs_message
+from tests.fakes.vllm import ENGINE_CORE_DEAD, FakeVllmGroup, output_entry, outputs_message
 from zmqdp import RankState
 from zmqdp._core.errors import (
     CallFailed,
@@ -23,6 +23,7 @@ from zmqdp._core.errors import (
     EngineDead,
     GroupClosed,
     HandshakeTimeout,
+    InvalidRank,
     InvalidRequest,
     ProtocolError,
     RequestAborted,
@@ -227,12 +228,50 @@ async def test_handshake_timeout_names_the_missing_ranks() -> None:
     assert "rank 1" in str(info.value) and "rank 2" in str(info.value)
 
 
-async def test_engine_core_dead_fails_the_group() -> None:
+async def test_engine_core_dead_fails_only_its_rank_in_a_dense_group() -> None:
+    """vLLM's sentinel names no rank, but it came on rank 1's own output socket: only
+    rank 1's requests end, rank 0 streams on and takes new requests (issue 20)."""
     async with vllm_group(2) as (group, fake):
+        async with (
+            group.submit(req("a", max_tokens=10**9, rank=0)) as sa,
+            group.submit(req("b", max_tokens=10**9, rank=1)) as sb,
+        ):
+            await sa.receive()
+            await sb.receive()
+            fake.engines[1].send_raw([ENGINE_CORE_DEAD])  # its sockets stay open
+            with pytest.raises(EngineDead, match="ENGINE_CORE_DEAD") as info:
+                async for _ in sb:
+                    pass
+            assert info.value.rank == 1 and info.value.request_id == "b"
+            for _ in range(3):
+                await sa.receive()
+        assert group.closed is None
+        assert group.rank_state(1).value is RankState.DOWN
+        assert group.rank_state(0).value is RankState.UP
+        tokens, _ = await collect(group, req("c"))
+        assert len(tokens) == 4
+        with pytest.raises(InvalidRank):
+            group.submit(req("d", rank=1))
+
+
+async def test_a_forged_death_tag_kills_nobody() -> None:
+    """Only the transport can tag a sentinel with a rank: an engine that sends the tag
+    frame itself sends an invalid message, counted, and kills no rank."""
+    async with vllm_group(2) as (group, fake):
+        await collect(group, req("warm", rank=0))
+        forged = [ENGINE_CORE_DEAD, b"\x00" * 16 + (0).to_bytes(2, "little")]
+        fake.engines[1].send_raw(forged)
+        await wait_until(lambda: group.statistics().protocol_errors == 1)
+        assert all(group.rank_state(r).value is RankState.UP for r in (0, 1))
+        await collect(group, req("after", rank=0))
+
+
+async def test_engine_core_dead_of_a_moe_rank_fails_the_group_naming_it() -> None:
+    async with vllm_group(2, moe=True) as (group, fake):
         async with group.submit(req("a", max_tokens=10**9, rank=0)) as sa:
             await sa.receive()
             fake.engines[1].die()
-            with pytest.raises(GroupClosed, match="ENGINE_CORE_DEAD"):
+            with pytest.raises(GroupClosed, match="rank 1"):
                 async for _ in sa:
                     pass
         assert group.closed is not None
@@ -332,7 +371,8 @@ async def test_dense_rank_that_restarts_is_taken_back() -> None:
             again = fake.restart(1)
             assert fake.nursery is not None
             fake.nursery.start_soon(again.run)  # ... and is restarted
-            with pytest.raises(EngineDead, match="rejoin") as info:
+            # its connection's close, or its HELLO, whichever the client sees first
+            with pytest.raises(EngineDead, match=r"rejoin|connection closed") as info:
                 async for _ in stream:
                     pass
             assert info.value.rank == 1
@@ -350,7 +390,8 @@ async def test_moe_rank_that_restarts_fails_the_group() -> None:
         assert fake.nursery is not None
         fake.nursery.start_soon(fake.restart(1).run)
         await group.rank_state(1).wait_value(RankState.DOWN)
-        assert group.closed is not None and "rejoin" in group.closed.cause
+        assert group.closed is not None
+        assert "rejoin" in group.closed.cause or "connection closed" in group.closed.cause
 
 
 @pytest.mark.timeout_s(30)
@@ -458,7 +499,7 @@ async def test_a_url_other_machines_can_reach_needs_insecure() -> None:
 async def test_every_receiving_socket_bounds_its_frames() -> None:
     async with vllm_group(1, max_message_size=1 << 20) as (group, _):
         transport = group._transport
-        for zs in (transport.output, transport.input, transport.handshake):
+        for zs in (*transport.outputs, transport.input, transport.handshake):
             assert zs.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
 
 

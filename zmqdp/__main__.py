@@ -18,6 +18,13 @@ def _mock_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="the group URL the client binds")
     parser.add_argument("--engines", type=int, required=True, help="ranks to run")
     parser.add_argument("--lockstep", action="store_true", help="ranks step together")
+    parser.add_argument(
+        "--ranks",
+        default=None,
+        metavar="R[,R...]",
+        help="run only these ranks of the group (independent groups; one engine process "
+        "per rank, as for fault tests)",
+    )
     parser.add_argument("--step-time", type=float, default=0.01, help="seconds per step")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--sync-interval", type=int, default=4)
@@ -56,6 +63,7 @@ def run_mock(args: argparse.Namespace) -> int:
         skew=args.skew,
         faults=merge_faults([parse_fault(f) for f in args.fault]),
         keys=args.keys,
+        ranks=None if args.ranks is None else tuple(int(r) for r in args.ranks.split(",")),
     )
 
     async def main() -> None:
@@ -63,7 +71,8 @@ def run_mock(args: argparse.Namespace) -> int:
             async with trio.open_nursery() as nursery:
                 await nursery.start(run_mock_group, args.url, cfg)
                 kind = "lockstep" if cfg.lockstep else "independent"
-                print(f"zmqdp mock: {cfg.engines} {kind} ranks up at {args.url}", flush=True)
+                n = cfg.engines if cfg.ranks is None else len(cfg.ranks)
+                print(f"zmqdp mock: {n} {kind} ranks up at {args.url}", flush=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break

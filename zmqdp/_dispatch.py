@@ -32,7 +32,7 @@ import trio
 
 from ._core.effects import Effects
 from ._core.state import GroupCore
-from ._zmq import ZSocket
+from ._zmq import ZSocket, ZSocketSet
 from .stream import RequestStream
 
 __all__ = ["DRAIN_BEFORE_JUDGING", "HELD_UP", "Dispatcher"]
@@ -49,7 +49,9 @@ class Dispatcher:
     """Runs the loop of the module docstring; `apply` carries out one pass's effects
     (`EngineGroup._apply`), adding the streams it fed to the set it is given."""
 
-    def __init__(self, core: GroupCore[RequestStream], output: ZSocket, apply: Apply) -> None:
+    def __init__(
+        self, core: GroupCore[RequestStream], output: ZSocket | ZSocketSet, apply: Apply
+    ) -> None:
         self._core = core
         self._output = output
         self._apply = apply

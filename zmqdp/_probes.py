@@ -89,4 +89,5 @@ def group_statistics(
         identity_conflicts=t.identity_conflicts,
         refused_connections=t.refused_connections,
         impersonations=t.impersonations,
+        connections_lost=t.connections_lost,
     )

@@ -17,6 +17,14 @@ exactly one owning task:
   awake) and receives the REGISTER messages that complete a rank's handshake, also at
   any time. A rank whose pipe is full is skipped and retried on a backing-off timer, so
   it delays only its own messages and the task never spins.
+  The handshake task also owns the **connection monitor** of the handshake ROUTER
+  (`_zmq.Monitor`) and reads it before every batch of handshake messages: each HELLO
+  the client accepts ties its connection (the fd libzmq gives the message) to the
+  rank (`_core/liveness.ConnectionWatch`), and when that connection closes, because
+  the engine exited, was killed, or missed ZMTP heartbeats (`heartbeat_interval`,
+  `heartbeat_timeout`: a stopped process), the rank is reported dead at once
+  (`listener.connection_lost`), idle or not. Engines keep their handshake connection
+  for their whole life (they must hear RESYNC on it, §2.5).
 * The output ROUTER is handed to the caller (the dispatcher), which claims it.
 * With CURVE keys (`curve=`), `serve_zap` owns a ZAP socket bound in the transport's
   own context before any ROUTER binds, and answers libzmq's question about every new
@@ -73,12 +81,21 @@ from ._core.auth import ZAP_DOMAIN, PeerBinding, ZapPolicy
 from ._core.codec import decode_handshake, encode_handshake
 from ._core.errors import HandshakeTimeout, ProtocolError, quote
 from ._core.handshake import Handshake, HandshakeState, identity_rank, rank_identity
+from ._core.liveness import ConnectionWatch
 from ._core.messages import Hello, Init, Ready, Register, Reject, Resync
 from ._core.outbox import Outbox
 from ._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from ._core.wire import NativeWire, Wire
 from ._util import LogLimiter, open_service_nursery
-from ._zmq import ZSocket, ZSocketStatistics, is_unreachable
+from ._zmq import (
+    ACCEPTED,
+    Monitor,
+    ZSocket,
+    ZSocketSet,
+    ZSocketStatistics,
+    heartbeat,
+    is_unreachable,
+)
 from .values import ConnectOptions, Request
 
 __all__ = [
@@ -146,6 +163,10 @@ class TransportListener:
     def send_failed(self, rank: int, cause: str) -> None:
         """A send to `rank` failed or timed out; its queued messages were dropped."""
 
+    def connection_lost(self, rank: int, cause: str) -> None:
+        """The connection of `rank`'s current incarnation closed (it exited, was
+        killed, or missed heartbeats): it is dead."""
+
     def flushed(self) -> None:
         """The input task sent a run of messages."""
 
@@ -183,13 +204,16 @@ class TransportStatistics:
     """CURVE: connections refused by the ZAP handler (a key not on the allow-list)."""
     impersonations: int
     """CURVE: messages dropped because their routing id was not their key's rank."""
+    connections_lost: int
+    """Ranks declared dead because their connection closed (exit, kill, or missed
+    heartbeats)."""
 
 
 class Transport(Protocol):
     """What the client uses of a transport, on any wire."""
 
-    output: ZSocket
-    """The output socket, the dispatcher's alone."""
+    output: ZSocket | ZSocketSet
+    """The output socket (vLLM: one per rank), the dispatcher's alone."""
     nursery: trio.Nursery | None
 
     @property
@@ -242,6 +266,8 @@ async def _open_native(
         listener=listener,
         curve=options.curve,
         insecure=options.insecure,
+        heartbeat_interval=options.heartbeat_interval,
+        heartbeat_timeout=options.heartbeat_timeout,
     ) as transport:
         yield transport
 
@@ -267,7 +293,7 @@ class TransportBase:
     size: int
     handshake: ZSocket
     input: ZSocket
-    output: ZSocket
+    output: ZSocket | ZSocketSet
     outbox: Outbox[list[bytes]]
     listener: TransportListener
     send_timeout: float
@@ -277,6 +303,9 @@ class TransportBase:
     _logs: LogLimiter
     _sockets: list[ZSocket]
     _own_context: bool
+    _monitors: list[tuple[Monitor, ConnectionWatch]]
+    """Connection monitors, read by the handshake task, with what each knows."""
+    heartbeat_timeout: float
 
     def _init_base(
         self, identities: list[bytes], listener: TransportListener | None, send_timeout: float
@@ -290,6 +319,7 @@ class TransportBase:
         self._dropped_answers = 0
         self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
         self.nursery = None  # set by the opener
+        self._connections_lost = 0
 
     # -- sending (any task) -----------------------------------------------------------
 
@@ -309,8 +339,48 @@ class TransportBase:
 
     # -- the handshake task -----------------------------------------------------------
 
-    def _on_handshake_message(self, frames: list[bytes]) -> None:
+    def _on_handshake_message(self, frames: list[bytes], fd: int) -> None:
+        """One handshake message, `fd` the connection it came on (-1: unknown)."""
         raise NotImplementedError
+
+    def _new_connection_owner(self, index: int) -> int | None:
+        """The rank a connection just accepted on monitored socket `index` belongs to
+        (vLLM: that rank's own output socket, once it said HELLO); None: nobody's
+        until a message claims it (natively, its HELLO)."""
+        return None
+
+    def _watch_connections(self) -> None:
+        """Read every connection monitor (before the handshake messages: see
+        `_core/liveness.py` on ordering); report each rank whose current connection
+        closed."""
+        for index, (monitor, watch) in enumerate(self._monitors):
+            for event, fd in monitor.events():
+                if event == ACCEPTED:
+                    watch.accepted(fd, self._new_connection_owner(index))
+                elif (rank := watch.disconnected(fd)) is not None:
+                    self._connection_lost(rank)
+
+    def _connection_lost(self, rank: int) -> None:
+        self._connections_lost += 1
+        cause = (
+            "its connection closed: the engine exited, was killed or restarted, or sent "
+            f"nothing, not even a heartbeat, for heartbeat_timeout={self.heartbeat_timeout:g} s"
+        )
+        log.warning("rank %d: %s", rank, cause)
+        self.listener.connection_lost(rank, cause)
+        self.forget(rank)  # at start-up there is no group yet: its handshake starts over
+
+    def forget(self, rank: int, *, resync: bool = True) -> None:
+        raise NotImplementedError
+
+    def _add_monitor(self, zs: ZSocket) -> None:
+        self._monitors.append((Monitor(zs.sock), ConnectionWatch()))
+
+    def _close_monitors(self) -> None:
+        """Before the sockets they watch close (libzmq: monitors first)."""
+        for monitor, _ in self._monitors:
+            monitor.close()
+        self._monitors = []
 
     def _on_input_message(self, frames: list[bytes]) -> None:
         raise NotImplementedError
@@ -326,15 +396,17 @@ class TransportBase:
         Cancellation: it stops between messages; a message it took off the socket is
         answered first (the answer may be lost with the socket)."""
         zs = self.handshake
+        monitors = [monitor.zs for monitor, _ in self._monitors]
         while True:
             next_at = self._resync(trio.current_time())
-            batch = zs.receive_nowait()
-            for frames in batch:
-                self._on_handshake_message(frames)
+            self._watch_connections()
+            batch = zs.receive_nowait_sourced()
+            for frames, fd in batch:
+                self._on_handshake_message(frames, fd)
             if batch:
                 await trio.lowlevel.checkpoint()  # a flood of HELLOs yields per batch
             with trio.move_on_at(next_at):
-                await zs.wait_readable_or_kicked()
+                await zs.wait_readable_or_kicked(also=monitors)
 
     def _answer_bytes(self, identity: bytes, body: bytes) -> None:
         """Answer without waiting: one peer that does not read must not hold up the
@@ -449,10 +521,14 @@ class TransportBase:
             input_rounds=self._input_rounds,
             refused_connections=extra.get("refused_connections", 0),
             impersonations=extra.get("impersonations", 0),
+            connections_lost=self._connections_lost,
         )
 
     def _close_sockets(self) -> None:
         """Close every socket at once (a constructor that failed half-way, `close`)."""
+        self._close_monitors()
+        if isinstance(getattr(self, "output", None), ZSocketSet):
+            self.output.close()  # its members are in `_sockets`; this closes its epoll
         for zs in self._sockets:
             zs.close()
         self._sockets = []
@@ -469,6 +545,7 @@ class TransportBase:
         worker thread (`term()` blocks until the LINGER is over or all is delivered).
 
         Cancellation: shielded; it takes at most `CLOSE_LINGER` seconds."""
+        self._close_monitors()
         zs = self.input
         if not zs.closed:
             zs.release()  # its owner, the input task, has ended
@@ -480,6 +557,8 @@ class TransportBase:
                     except zmq.ZMQError:
                         break  # that engine is gone; its requests are over anyway
         zs.close(linger=CLOSE_LINGER)
+        if isinstance(self.output, ZSocketSet):
+            self.output.close()
         for other in self._sockets:
             other.close()
         self._sockets = []
@@ -506,9 +585,14 @@ class GroupTransport(TransportBase):
         listener: TransportListener | None = None,
         curve: CurveServer | None = None,
         insecure: bool = False,
+        heartbeat_interval: float | None = 0.5,
+        heartbeat_timeout: float = 3.0,
     ) -> None:
         self.url = url
         self.size = size
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self._monitors = []
         self.address: GroupAddress = parse_group_url(url, advertise_host)
         if not self.address.loopback and curve is None and not insecure:
             raise ValueError(
@@ -542,6 +626,7 @@ class GroupTransport(TransportBase):
             self.output = self._router(
                 "output", self.address.output, max_message_size, safety_timeout
             )
+            self._add_monitor(self.handshake)
             self._bound = True
         except BaseException:
             self._close_sockets()
@@ -573,6 +658,7 @@ class GroupTransport(TransportBase):
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         hwm = output_hwm(max_message_size) if name == "output" else CONTROL_HWM
         sock.setsockopt(zmq.RCVHWM, hwm)
+        heartbeat(sock, self.heartbeat_interval, self.heartbeat_timeout)
         if self.address.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:
@@ -633,6 +719,8 @@ class GroupTransport(TransportBase):
         """The rank is dead: it must handshake again. With `resync`, it is sent RESYNC
         at once and then about once a second until it says HELLO (§2.5)."""
         self.state.forget(rank, resync=resync)
+        for _, watch in self._monitors:
+            watch.release(rank)
         if resync:
             self.handshake.kick()
 
@@ -649,11 +737,12 @@ class GroupTransport(TransportBase):
         next_at: float = self.state.next_resync()
         return next_at
 
-    def _on_handshake_message(self, frames: list[bytes]) -> None:
-        """One message on the handshake socket. HELLO and READY are answered (an invalid
-        one with REJECT naming it, §7); a body that claims no type is rejected without
-        touching any rank; anything else (a malformed REGISTER, an unknown type) is
-        counted and ignored: only an invalid HELLO is a rejoin."""
+    def _on_handshake_message(self, frames: list[bytes], fd: int) -> None:
+        """One message on the handshake socket (`fd`: the connection it came on). HELLO
+        and READY are answered (an invalid one with REJECT naming it, §7); a body that
+        claims no type is rejected without touching any rank; anything else (a malformed
+        REGISTER, an unknown type) is counted and ignored: only an invalid HELLO is a
+        rejoin."""
         if len(frames) != 2:
             self.state.ignored += 1
             self._logs.log(
@@ -670,7 +759,7 @@ class GroupTransport(TransportBase):
         except ProtocolError as exc:
             msg = exc
         if isinstance(msg, Hello) or (isinstance(msg, ProtocolError) and msg.message == "hello"):
-            self._answer_hello(identity, msg)
+            self._answer_hello(identity, msg, fd)
         elif isinstance(msg, Ready):
             self._answer_ready(identity, dict(msg.info))
         elif isinstance(msg, ProtocolError) and msg.message == "ready":
@@ -694,7 +783,7 @@ class GroupTransport(TransportBase):
                 identity.hex(),
             )
 
-    def _answer_hello(self, identity: bytes, hello: Hello | ProtocolError) -> None:
+    def _answer_hello(self, identity: bytes, hello: Hello | ProtocolError, fd: int) -> None:
         verdict = self.state.on_hello(identity, hello, trio.current_time())
         if verdict.conflict is not None:
             log.error(
@@ -717,6 +806,8 @@ class GroupTransport(TransportBase):
             self.listener.rejoin(verdict.rank)
         elif isinstance(hello, Hello) and verdict.rank is not None and verdict.rank < self.size:
             log.info("rank %d: HELLO accepted", verdict.rank)
+        if isinstance(verdict.reply, Init) and verdict.rank is not None and fd >= 0:
+            self._monitors[0][1].claim(fd, verdict.rank)  # its life is this connection's
         if isinstance(verdict.reply, Reject):
             self._logs.log(
                 logging.WARNING,
@@ -804,6 +895,8 @@ async def open_group_transport(
     listener: TransportListener | None = None,
     curve: CurveServer | None = None,
     insecure: bool = False,
+    heartbeat_interval: float | None = 0.5,
+    heartbeat_timeout: float = 3.0,
 ) -> AsyncIterator[GroupTransport]:
     """Bind the group's sockets, wait for all `engines` ranks, yield the transport.
 
@@ -826,6 +919,8 @@ async def open_group_transport(
         listener=listener,
         curve=curve,
         insecure=insecure,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
     )
     try:
         async with open_service_nursery() as nursery:

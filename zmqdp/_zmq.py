@@ -42,26 +42,48 @@ when the owner is parked; under load the owner is busy draining and nobody kicks
 With `peer_check` (CURVE groups), each message is received with its metadata and only
 kept if the check accepts its routing id and the `User-Id` the ZAP handler gave the
 authenticated peer; the others are dropped and counted (`refused`).
+
+9. **One task, several sockets.** A task that owns more than one socket (the handshake
+   task and its connection monitors; the dispatcher and vLLM's per-rank output sockets,
+   `ZSocketSet`) parks on all their fds at once through one `select.epoll` object,
+   whose own fd trio waits on: rule 2 still holds, since `EVENTS` of every socket is
+   read before each wait and after each wake-up.
+
+`Monitor` reads libzmq's socket monitor (connection accepted, connection closed, with
+the connection's fd): how the client learns at once that an engine's connection is
+gone, by exit, kill, or a ZMTP heartbeat timeout (`heartbeat`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import select
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ["POLLIN", "POLLOUT", "ZSocket", "ZSocketStatistics"]
+__all__ = [
+    "POLLIN",
+    "POLLOUT",
+    "Monitor",
+    "ZSocket",
+    "ZSocketSet",
+    "ZSocketStatistics",
+    "heartbeat",
+]
 
 POLLIN = int(zmq.POLLIN)
 POLLOUT = int(zmq.POLLOUT)
 _EVENTS = zmq.EVENTS
 _NOBLOCK = int(zmq.NOBLOCK)
 _SEND_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_SRCFD = 2  # ZMQ_SRCFD: deprecated in libzmq's docs, still answered by 4.3
+_HAS_EPOLL = hasattr(select, "epoll")
 
 Frames = Sequence[bytes]
 
@@ -123,6 +145,7 @@ class ZSocket:
         self._fallbacks = 0
         self._kicks = 0
         self._refused = 0
+        self._fds: _Fds | None = None  # the epoll object of `wait_readable_or_kicked(also)`
 
     # -- ownership --------------------------------------------------------------------
 
@@ -209,6 +232,42 @@ class ZSocket:
         self._received += taken
         return out
 
+    def receive_nowait_sourced(self, limit: int = 256) -> list[tuple[list[bytes], int]]:
+        """`receive_nowait`, each message with the fd of the connection it came on
+        (libzmq's `ZMQ_SRCFD`; -1 if unknown), to tie a peer's messages to the
+        connection `Monitor` reports on. Slower than `receive_nowait`: for sockets that
+        carry a few messages per connection (the handshake)."""
+        self._claim()
+        out: list[tuple[list[bytes], int]] = []
+        if not self._getsockopt(_EVENTS) & POLLIN:
+            return out
+        check = self.peer_check
+        recv = self.sock.recv_multipart
+        budget = self.max_bytes
+        taken = 0
+        try:
+            while taken < limit and budget > 0:
+                frames = recv(_NOBLOCK, copy=False)
+                taken += 1
+                data = [f.bytes for f in frames]
+                for frame in data:
+                    budget -= len(frame)
+                wire = frames[1] if len(frames) > 1 else frames[0]
+                if check is not None:
+                    user_id = wire.get("User-Id") if len(frames) > 1 else None
+                    if not check(data[0], user_id if isinstance(user_id, str) else None):
+                        self._refused += 1
+                        continue
+                try:
+                    fd = int(wire.get(_SRCFD))
+                except zmq.ZMQError:
+                    fd = -1
+                out.append((data, fd))
+        except zmq.Again:
+            pass
+        self._received += taken
+        return out
+
     async def receive_batch(self, limit: int = 256) -> list[list[bytes]]:
         """Wait for at least one message and return up to `limit` of them.
 
@@ -274,9 +333,10 @@ class ZSocket:
             self._park.cancel()
             self._park = None
 
-    async def wait_readable_or_kicked(self) -> None:
-        """Owner only: park until a message can be received or another task kicks.
-        Returns at once if a kick came since the last call returned."""
+    async def wait_readable_or_kicked(self, also: Sequence[ZSocket] = ()) -> None:
+        """Owner only: park until a message can be received (here or on one of `also`,
+        sockets the same task owns) or another task kicks. Returns at once if a kick
+        came since the last call returned."""
         self._claim()
         if self._kicked:
             self._kicked = False
@@ -285,10 +345,21 @@ class ZSocket:
         with trio.CancelScope() as scope:
             self._park = scope
             try:
-                await self._wait(POLLIN)
+                if also:
+                    await wait_any((self, *also), self._epoll_for(also))
+                else:
+                    await self._wait(POLLIN)
             finally:
                 self._park = None
                 self._kicked = False
+
+    def _epoll_for(self, also: Sequence[ZSocket]) -> _Fds:
+        fds = self._fds
+        if fds is None or fds.members != (self, *also):
+            if fds is not None:
+                fds.close()
+            fds = self._fds = _Fds((self, *also))
+        return fds
 
     # -- closing ----------------------------------------------------------------------
 
@@ -301,6 +372,8 @@ class ZSocket:
         if self.closed:
             return
         self.closed = True
+        if self._fds is not None:
+            self._fds.close()
         with contextlib.suppress(RuntimeError):  # outside trio nobody can be waiting
             trio.lowlevel.notify_closing(self.fd)
         self.sock.close(linger=int(linger * 1000))
@@ -315,6 +388,182 @@ class ZSocket:
             kicks=self._kicks,
             refused=self._refused,
         )
+
+
+class _Fds:
+    """The fds of several sockets behind one fd trio can wait on (an epoll object: it
+    is readable while any of them is). Without epoll (not Linux), only the first
+    socket's fd is waited on and the others are looked at every `POLL_FALLBACK` s."""
+
+    def __init__(self, members: tuple[ZSocket, ...]) -> None:
+        self.members = members
+        self._epoll = select.epoll() if _HAS_EPOLL else None
+        if self._epoll is not None:
+            for zs in members:
+                self._epoll.register(zs.fd, select.EPOLLIN)
+
+    @property
+    def fd(self) -> int:
+        return self.members[0].fd if self._epoll is None else self._epoll.fileno()
+
+    @property
+    def timeout(self) -> float:
+        return min(z.safety_timeout for z in self.members) if self._epoll else POLL_FALLBACK
+
+    def close(self) -> None:
+        if self._epoll is not None and not self._epoll.closed:
+            with contextlib.suppress(RuntimeError):
+                trio.lowlevel.notify_closing(self._epoll.fileno())
+            self._epoll.close()
+
+
+POLL_FALLBACK = 0.05
+"""Seconds between looks at the other sockets of a several-socket wait without epoll."""
+
+
+async def wait_any(members: Sequence[ZSocket], fds: _Fds) -> None:
+    """Park until one of `members` (owned by the calling task) can receive: `EVENTS`
+    of each is read before every wait and after every wake-up (rule 2)."""
+    getters = [zs._getsockopt for zs in members]
+    while not any(get(_EVENTS) & POLLIN for get in getters):
+        first = members[0]
+        first._waits += 1
+        with trio.move_on_after(fds.timeout) as scope:
+            await trio.lowlevel.wait_readable(fds.fd)
+        if (
+            scope.cancelled_caught
+            and fds.timeout != POLL_FALLBACK
+            and any(get(_EVENTS) & POLLIN for get in getters)
+        ):
+            first._fallbacks += 1
+
+
+class ZSocketSet:
+    """Several receiving sockets read as one by a single task (vLLM's per-rank output
+    sockets, read by the dispatcher): the interface of `ZSocket` that the dispatcher
+    uses. Each drain takes from the members in turn, starting one further each time,
+    so a chatty member cannot starve the others. `mark(i, frames)` may rewrite a
+    message of member `i` (vLLM: tag a death sentinel with the rank that sent it)."""
+
+    def __init__(
+        self,
+        members: Sequence[ZSocket],
+        mark: Callable[[int, list[bytes]], list[bytes]] | None = None,
+    ) -> None:
+        self.members = tuple(members)
+        self._mark = mark
+        self._start = 0
+        self._fds: _Fds | None = None
+
+    @property
+    def closed(self) -> bool:
+        return all(zs.closed for zs in self.members)
+
+    def release(self) -> None:
+        for zs in self.members:
+            zs.release()
+
+    def receive_nowait(self, limit: int = 256) -> list[list[bytes]]:
+        """Up to `limit` queued messages of all members, without waiting."""
+        members = self.members
+        n = len(members)
+        start = self._start
+        self._start = (start + 1) % n
+        out: list[list[bytes]] = []
+        mark = self._mark
+        for k in range(n):
+            i = (start + k) % n
+            got = members[i].receive_nowait(limit - len(out))
+            if got:
+                if mark is not None:
+                    got = [mark(i, frames) for frames in got]
+                out += got
+                if len(out) >= limit:
+                    break
+        return out
+
+    async def receive_batch(self, limit: int = 256) -> list[list[bytes]]:
+        """Wait for at least one message of any member; cancellation as
+        `ZSocket.receive_batch` (a message once received is never lost)."""
+        for zs in self.members:
+            zs._claim()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            batch = self.receive_nowait(limit)
+            if batch:
+                self.members[0]._batches += 1
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return batch
+            if self._fds is None:
+                self._fds = _Fds(self.members)
+            await wait_any(self.members, self._fds)
+
+    def close(self) -> None:
+        if self._fds is not None:
+            self._fds.close()
+        for zs in self.members:
+            zs.close()
+
+    def statistics(self) -> ZSocketStatistics:
+        each = [zs.statistics() for zs in self.members]
+        return ZSocketStatistics(
+            *(sum(getattr(s, f) for s in each) for f in ZSocketStatistics.__slots__)
+        )
+
+
+MONITORED = int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+ACCEPTED = int(zmq.EVENT_ACCEPTED)
+DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+
+
+class Monitor:
+    """libzmq's monitor of one bound socket: each connection accepted and each one
+    closed (by the peer's exit, or by libzmq after a heartbeat timeout), with its fd.
+    Owned by the task that owns the monitored socket's other state; read it before
+    that socket's messages, so a connection's close is seen before any message of a
+    later connection that reuses its fd (libzmq emits the event before it closes the
+    fd)."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self._target = sock
+        self.zs = ZSocket(sock.get_monitor_socket(MONITORED))
+
+    def events(self) -> list[tuple[int, int]]:
+        """What happened since the last call, in order: `(ACCEPTED or DISCONNECTED,
+        fd)`."""
+        out = []
+        for frames in self.zs.receive_nowait(1024):
+            if len(frames) != 2 or len(frames[0]) != 6:
+                continue
+            ev = parse_monitor_message(frames)
+            if ev["event"] in (ACCEPTED, DISCONNECTED):
+                out.append((int(ev["event"]), int(ev["value"])))
+        return out
+
+    def close(self) -> None:
+        if not self.zs.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                if not self._target.closed:
+                    self._target.disable_monitor()
+            self.zs.close()
+
+
+def heartbeat(sock: zmq.Socket[bytes], interval: float | None, timeout: float) -> None:
+    """ZMTP heartbeats on every connection of `sock` (libzmq answers a PING in its I/O
+    thread, whatever the engine's own code is doing): a peer that sends nothing, not
+    even a PONG, for `timeout` s after a PING is disconnected, which its `Monitor`
+    reports. The TTL asks the peer to drop the connection too if it stops hearing from
+    us. A connection whose ZMTP handshake has not completed after `timeout` s is
+    dropped too (`HANDSHAKE_IVL`, 30 s by default): heartbeats start only after the
+    handshake, so an engine stopped in the middle of one would otherwise be seen only
+    30 s later. `interval` None: no heartbeats."""
+    ms = max(1, round(timeout * 1000))
+    sock.setsockopt(zmq.HANDSHAKE_IVL, ms)
+    if interval is None:
+        return
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(interval * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, ms)))
 
 
 def is_unreachable(exc: zmq.ZMQError) -> bool:

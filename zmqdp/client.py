@@ -442,6 +442,10 @@ class _Listener(TransportListener):
         if self.group is not None:
             self.group._rank_dead(rank, cause)
 
+    def connection_lost(self, rank: int, cause: str) -> None:
+        if self.group is not None:
+            self.group._rank_dead(rank, cause)
+
     def flushed(self) -> None:
         if self.group is not None:
             self.group._flushed()

@@ -98,6 +98,7 @@ class MockConfig:
     skew: float = 0.0  # rank r handles each inbound message r * skew seconds late
     faults: dict[int, RankFaults] = field(default_factory=dict)
     keys: str | None = None  # a `zmqdp.keys` directory: connect with CURVE
+    ranks: tuple[int, ...] | None = None  # run only these ranks (None: all of them)
 
 
 @dataclass
@@ -404,7 +405,10 @@ async def run_mock_group(
 ) -> None:
     """Run the group until cancelled. `task_status.started()` once every rank is up."""
     collective = _Collective(cfg.engines) if cfg.lockstep else None
-    ranks = [MockRank(url, r, cfg, collective) for r in range(cfg.engines)]
+    if cfg.ranks is not None and cfg.lockstep:
+        raise ValueError("lockstep ranks step together: run them all in one process")
+    which = range(cfg.engines) if cfg.ranks is None else cfg.ranks
+    ranks = [MockRank(url, r, cfg, collective) for r in which]
     async with trio.open_nursery() as nursery:
         for rank in ranks:
             nursery.start_soon(rank.run, name=f"zmqdp-mock-rank{rank.rank}")

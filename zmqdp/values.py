@@ -178,6 +178,9 @@ class GroupStatistics:
     """CURVE: connections refused because their key is not on the allow-list."""
     impersonations: int
     """CURVE: messages dropped because their routing id was not their key's rank."""
+    connections_lost: int
+    """Ranks declared dead because their connection closed: the engine exited or was
+    killed, or missed heartbeats (`heartbeat_timeout`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +240,18 @@ class ConnectOptions:
     insecure: bool = False
     """Allow a tcp URL that other machines can reach without authentication (a trusted
     network)."""
+    heartbeat_interval: float | None = 0.5
+    """Seconds between ZMTP heartbeats (PINGs, answered by libzmq in the engine's I/O
+    thread, whatever its own code is doing) on every connection the client accepts.
+    An engine that exits or is killed is seen dead at once, by its connection's close,
+    heartbeats or not; heartbeats catch one that stopped (SIGSTOP, a frozen host) but
+    keeps its sockets open. None: no heartbeats. Heartbeats never count as progress:
+    the silence and stall rules look at messages only."""
+    heartbeat_timeout: float = 3.0
+    """Seconds without any traffic after a PING before libzmq drops the connection,
+    which makes the rank dead (`RankState.DOWN` at once, its requests end with
+    `EngineDead`). A stopped engine is seen dead within about `heartbeat_interval` +
+    `heartbeat_timeout`."""
 
     def __post_init__(self) -> None:
         """Refuse what no group could use, before anything is bound."""
@@ -247,3 +262,12 @@ class ConnectOptions:
         if mi not in (None, "info") and (type(mi) is not int or mi < 1):
             raise ValueError(f"max_inflight must be a positive int, 'info' or None, got {mi!r}")
         check_timeout("request_timeout", self.request_timeout)
+        hi, ht = self.heartbeat_interval, self.heartbeat_timeout
+        if hi is not None and (not isinstance(hi, int | float) or not 0.001 <= hi <= 3600):
+            raise ValueError(f"heartbeat_interval must be None or 0.001..3600 s, got {hi!r}")
+        if not isinstance(ht, int | float) or not 0.001 <= ht <= 3600:
+            raise ValueError(f"heartbeat_timeout must be 0.001..3600 s, got {ht!r}")
+        if hi is not None and ht < hi:
+            raise ValueError(
+                f"heartbeat_timeout ({ht!r} s) must be at least heartbeat_interval ({hi!r} s)"
+            )

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from tests.models import mutants
 from tests.models.lifecycle import RetirementMachine
+from tests.models.liveness import ConnectionMachine
 from tests.models.long_batches import check_long_batches
 from tests.models.outbox import OutboxMachine
 from tests.models.waves import Config, WaveMachine, search
@@ -84,6 +85,16 @@ def test_long_batch_property_catches(core: type[Any]) -> None:
 def test_outbox_machine_catches_head_of_line_blocking() -> None:
     message = _caught_by_machine(OutboxMachine, outbox_cls=mutants.HeadOfLineOutbox)
     assert "held back by another rank" in message
+
+
+@pytest.mark.parametrize(
+    "watch",
+    [mutants.StaleCloseKills, mutants.AnyCloseKills, mutants.ReleaseForgotten],
+    ids=lambda c: c.__name__,
+)
+def test_connection_machine_catches(watch: type[Any]) -> None:
+    message = _caught_by_machine(ConnectionMachine, watch_cls=watch)
+    assert "the close of fd" in message
 
 
 WAVE_MUTANTS = [mutants.BumpingClock, mutants.IgnoresStartWave, mutants.BelievedParkedClock]

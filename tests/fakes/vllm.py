@@ -657,6 +657,7 @@ class FakeVllmEngine:
             for frames in self._process_inbox(coord):
                 await out.send(frames)
             if self.frozen or self.dead:
+                await trio.lowlevel.checkpoint()  # a dead engine's cancel lands here
                 continue
             await self._maybe_publish_request_counts(coord)
             message = self._engine_step()

@@ -10,6 +10,7 @@ from typing import Any
 
 from zmqdp._core.codec import EntryCursor
 from zmqdp._core.errors import ProtocolError
+from zmqdp._core.liveness import ConnectionWatch
 from zmqdp._core.messages import OutputBatch
 from zmqdp._core.outbox import Outbox
 from zmqdp._core.requests import RequestBook
@@ -194,3 +195,39 @@ class BelievedParkedClock(WaveClock):
             return None
         self.believed_running = True
         return self._wave
+
+
+class StaleCloseKills(ConnectionWatch):
+    """Remembers only which rank each connection carried, not which incarnation's it
+    is: a restarted engine dies of its predecessor's late close."""
+
+    def claim(self, fd: int, rank: int) -> None:
+        self._owner[fd] = rank
+        self._conns.setdefault(rank, set()).add(fd)
+
+    def disconnected(self, fd: int) -> int | None:
+        rank = self._owner.pop(fd, None)
+        if rank is not None:
+            self._conns.pop(rank, None)
+        return rank
+
+
+class AnyCloseKills(ConnectionWatch):
+    """The first close of any of a rank's connections kills it: a stray connection to
+    its socket (a port probe) that closes is taken for the engine's death."""
+
+    def disconnected(self, fd: int) -> int | None:
+        rank = self._owner.pop(fd, None)
+        if rank is not None and fd in self._conns.get(rank, ()):
+            for other in self._conns.pop(rank):
+                self._owner[other] = None
+            return rank
+        return None
+
+
+class ReleaseForgotten(ConnectionWatch):
+    """A rank declared dead for another reason keeps its connection as current: its
+    later close is a second death (natively, of the next incarnation's rank)."""
+
+    def release(self, rank: int) -> None:
+        pass

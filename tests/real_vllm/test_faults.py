@@ -1,30 +1,53 @@
-"""Faults on real vLLM engine cores, dense DP=2, one rank per process: SIGKILL of one
-engine core, a restarted engine, and an engine-side fatal error (ENGINE_CORE_DEAD).
-The outcome of every request is checked. The tests run in file order on one group:
-each leaves it as the next expects (the last one closes it)."""
+"""Faults on real vLLM engine cores, dense DP=2, one rank per process (each rank gets
+an output socket of its own from zmqdp): SIGKILL of a busy and of an idle engine core,
+SIGSTOP of one, a restarted engine, and an engine-side fatal error (ENGINE_CORE_DEAD)
+while the other rank streams. The outcome of every request is checked. The group runs
+with the default silence timeout (30 s), so every death here is seen by its
+connection's close or a heartbeat, not by silence. The tests run in file order on one
+group: each leaves it as the next expects."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 
-from zmqdp import EngineDead, GroupClosed, RankState
+from zmqdp import EngineDead, RankState
 from zmqdp.vllm import VllmGroup
 
 from .engines import EngineProcs, GroupHost, running_group
 from .helpers import VOCAB, Result, collect, request
 
-SILENCE = 3.0
+DETECTION = 10.0
+"""Seconds a death must be seen within here (heartbeat_timeout 3 s + interval 0.5 s at
+most for a stopped engine; at once for a killed one): far below the 30 s silence."""
 
 
 @pytest.fixture(scope="module")
 def faulty(vllm_venv: Path, models: Path, engine_logs: Path) -> Iterator[GroupHost]:
     engines = EngineProcs(vllm_venv, models / "dense", 2, engine_logs / "faults")
-    with running_group(engines, ready_timeout=300, silence_timeout=SILENCE) as host:
+    with running_group(engines, ready_timeout=300) as host:
         yield host
+
+
+def _restart(host: GroupHost, rank: int) -> None:
+    """A fresh engine process for `rank`; it rejoins the same client."""
+    host.engines.stop(rank)
+    host.engines.start(rank)
+
+    async def up(group: VllmGroup) -> None:
+        await group.rank_state(rank).wait_value(RankState.UP)
+
+    host.run(up, timeout=300)
+
+
+async def _down_within(group: VllmGroup, rank: int) -> None:
+    with trio.fail_after(DETECTION):
+        await group.rank_state(rank).wait_value(RankState.DOWN)
 
 
 async def _run_both(
@@ -76,7 +99,7 @@ def test_sigkill_of_one_engine_core_fails_only_its_requests(faulty: GroupHost) -
             nursery.start_soon(load)
             await started.wait()
             await trio.to_thread.run_sync(faulty.engines.kill_engine_core, 1)
-        await group.rank_state(1).wait_value(RankState.DOWN)
+            await _down_within(group, 1)
         outcome["after"] = [await collect(group, request(f"after-kill-{i}", 4)) for i in range(4)]
 
     faulty.run(run, timeout=120)
@@ -86,7 +109,7 @@ def test_sigkill_of_one_engine_core_fails_only_its_requests(faulty: GroupHost) -
             assert r.error is None and r.finish == "length" and len(r.tokens) == 300, r
         else:
             assert isinstance(r.error, EngineDead), r
-            assert "rank 1" in str(r.error)
+            assert "rank 1" in str(r.error) and "silent" not in str(r.error), r
     assert all(r.error is None and r.rank == 0 for r in outcome["after"]), outcome["after"]
     group = faulty.group
     assert group is not None
@@ -107,14 +130,38 @@ def test_a_restarted_engine_rejoins_without_a_new_client(faulty: GroupHost) -> N
     assert [(r.rank, r.error, len(r.tokens)) for r in results] == [(1, None, 6), (0, None, 6)]
 
 
-def test_an_engine_side_fatal_error_ends_every_request(faulty: GroupHost) -> None:
+def test_sigstop_of_an_idle_engine_core_is_seen_by_heartbeats(faulty: GroupHost) -> None:
+    """The stopped process keeps its sockets: only the heartbeats can tell. A vLLM
+    engine does its handshake once, so it stays out until a new process replaces it."""
+    pid = faulty.engines.engine_core_pid(1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        faulty.run(_down_within, 1, timeout=60)
+        assert faulty.group is not None and faulty.group.health().ranks_up == 1
+        after = faulty.run(collect, request("after-stop", 4), timeout=60)
+        assert after.error is None and after.rank == 0, after
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    _restart(faulty, 1)
+
+
+def test_sigkill_of_an_idle_engine_core_is_seen_at_once(faulty: GroupHost) -> None:
+    faulty.engines.kill_engine_core(1)
+    faulty.run(_down_within, 1, timeout=60)
+    stats = faulty.group.statistics() if faulty.group is not None else None
+    assert stats is not None and stats.failed == 0 and stats.connections_lost >= 1
+    _restart(faulty, 1)
+
+
+def test_an_engine_side_fatal_error_fails_only_its_rank(faulty: GroupHost) -> None:
     """A prompt token outside the vocabulary, pinned to rank 1, kills that engine core
     (vLLM: "EngineCore encountered a fatal error", then ENGINE_CORE_DEAD on its output
-    socket). vLLM's sentinel names no rank, so zmqdp (like vLLM's frontend) fails the
-    whole group: every live request ends with `GroupClosed` naming the sentinel, and
-    new submits are refused. (Per-rank attribution is the liveness issue's work.)"""
+    socket, then the process exits). vLLM's sentinel names no rank, but it came on rank
+    1's own output socket: only rank 1's requests end (with `EngineDead`), rank 0's
+    stream to their end, and new requests go to rank 0. (vLLM's own frontend fails
+    everything here.)"""
 
-    async def run(group: VllmGroup) -> tuple[list[Result], Result, BaseException | None]:
+    async def run(group: VllmGroup) -> tuple[list[Result], Result, Result]:
         results: list[Result] = []
         bad = Result(1)
         started = trio.Event()
@@ -126,15 +173,19 @@ def test_an_engine_side_fatal_error_ends_every_request(faulty: GroupHost) -> Non
             nursery.start_soon(load)
             await started.wait()
             bad = await collect(group, request("out-of-vocab", 4, prompt=[5, VOCAB + 7], rank=1))
-        try:
-            group.submit(request("after-dead", 2))
-        except GroupClosed as exc:
-            return results, bad, exc
-        return results, bad, None
+        await _down_within(group, 1)
+        after = await collect(group, request("after-dead", 4))
+        return results, bad, after
 
-    results, bad, refused = faulty.run(run, timeout=120)
-    assert isinstance(bad.error, GroupClosed) and "ENGINE_CORE_DEAD" in str(bad.error), bad
+    results, bad, after = faulty.run(run, timeout=120)
+    assert isinstance(bad.error, EngineDead) and bad.error.rank == 1, bad
     for r in results:
-        assert r.finish == "length" or isinstance(r.error, GroupClosed), r
-    assert any(isinstance(r.error, GroupClosed) for r in results)
-    assert isinstance(refused, GroupClosed)
+        if r.rank == 0:
+            assert r.error is None and r.finish == "length" and len(r.tokens) == 400, r
+        else:
+            assert isinstance(r.error, EngineDead) and r.error.rank == 1, r
+    assert after.error is None and after.rank == 0, after
+    assert faulty.group is not None and faulty.group.closed is None
+    _restart(faulty, 1)
+    final = faulty.run(collect, request("rejoined-after-fatal", 4, rank=1), timeout=60)
+    assert final.error is None and len(final.tokens) == 4, final

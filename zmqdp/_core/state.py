@@ -619,7 +619,8 @@ class GroupCore(Generic[H]):
                 return rank, self._connection_error(
                     rank, ProtocolError(f"{name} {wave} is outside 0..2**63-1")
                 )
-        return rank, self._apply(rank, health, batch, BatchRest(rank, health), now)
+        rest = BatchRest(rank, health, dead=batch.dead)
+        return rank, self._apply(rank, health, batch, rest, now)
 
     def on_batch(self, rank: int, body: bytes, now: float) -> BatchResult[H]:
         """One output batch body from identity `rank` (already checked to be in range).

@@ -61,6 +61,9 @@ def dialect(
             max_message_size=options.max_message_size,
             insecure=options.insecure,
             vllm_version=vllm_version,
+            death_tag=wire.death_tag,
+            heartbeat_interval=options.heartbeat_interval,
+            heartbeat_timeout=options.heartbeat_timeout,
         ) as transport:
             yield transport
 

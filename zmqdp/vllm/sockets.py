@@ -11,13 +11,20 @@ vLLM's socket map (`vllm/v1/engine/core_client.py`, `core.py`, `coordinator.py`)
 * input ROUTER (requests; engines connect DEALERs, identity = rank): owned by
   `serve_input`, which sends what other tasks queue with `send` (a per-rank `Outbox`,
   the owner is kicked awake) and receives the engines' ready responses;
-* output PULL (engines connect PUSH): handed to the dispatcher, its only user;
+* output PULLs, **one per rank** (each rank's init names its own; engines connect
+  PUSH): handed to the dispatcher, their only user, as one `ZSocketSet`. vLLM's
+  output messages carry their `engine_index`, but its death sentinel
+  ``ENGINE_CORE_DEAD`` and a closed connection name no rank: a socket per rank does.
+  The set tags a sentinel with its socket's rank (`VllmWire.death_tag`), so only that
+  rank dies; a monitor per socket, read by the handshake task, reports the close of
+  the connection accepted after the rank's latest HELLO (`_core/liveness.py`): the
+  engine exited, was killed, or missed ZMTP heartbeats (a stopped process);
 * MoE groups only, the coordinator role: an XPUB that engines subscribe to (their
   coordinator input), owned by `serve_coordinator`, which publishes ``READY`` once all
   ranks subscribed (and again on every later subscription, which engines ignore once
-  started) and the START_DP_WAVEs the client queues with `publish`. The engines'
-  coordinator output (stats, ``wave_complete``, ``start_wave``) is the same output PULL:
-  those messages reach the one dispatcher, in the stream it already reads.
+  started) and the START_DP_WAVEs the client queues with `publish`. Each engine's
+  coordinator output (stats, ``wave_complete``, ``start_wave``) is its own output
+  PULL: those messages reach the one dispatcher, in the stream it already reads.
 
 Every ROUTER sets ROUTER_MANDATORY (a send to an engine that is gone fails with
 EHOSTUNREACH and is reported through `listener.send_failed`), every socket LINGER 0,
@@ -31,7 +38,7 @@ import collections
 import contextlib
 import logging
 import socket as _socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -43,9 +50,10 @@ from .._core.errors import ProtocolError
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from .._transport import TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
-from .._zmq import ZSocket
+from .._zmq import ZSocket, ZSocketSet, heartbeat
 from .codec import (
     COORDINATOR_READY,
+    ENGINE_CORE_DEAD,
     decode_hello,
     decode_ready_response,
     encode_init,
@@ -123,6 +131,9 @@ class VllmTransport(TransportBase):
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         insecure: bool = False,
         vllm_version: str | None = None,
+        death_tag: Callable[[int], bytes] | None = None,
+        heartbeat_interval: float | None = 0.5,
+        heartbeat_timeout: float = 3.0,
     ) -> None:
         if url.startswith("tcp://") and not insecure:
             host = url[len("tcp://") :].rpartition(":")[0]
@@ -136,39 +147,57 @@ class VllmTransport(TransportBase):
         self.max_message_size = max_message_size
         self.size = size
         self.lockstep = lockstep
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
         self._logs = LogLimiter(log)
         self._own_context = True
         self.context = zmq.Context()
         self._sockets: list[ZSocket] = []
+        self._monitors = []
         self.coordinator: ZSocket | None = None
         try:
             self.handshake = self._bind(zmq.ROUTER, url)
             self.input = self._bind(zmq.ROUTER, _sibling(url, "input"))
-            self.output = self._bind(zmq.PULL, _sibling(url, "output"))
+            self.outputs = [self._bind(zmq.PULL, _sibling(url, f"output{r}")) for r in range(size)]
+            for zs in self.outputs:
+                self._add_monitor(zs)
             if lockstep:
                 self.coordinator = self._bind(zmq.XPUB, _sibling(url, "coordinator"))
         except BaseException:
             self._close_sockets()
             raise
+        tags = [death_tag(r) if death_tag is not None else None for r in range(size)]
+
+        def mark(rank: int, frames: list[bytes]) -> list[bytes]:
+            tag = tags[rank]
+            if tag is not None and len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
+                return [ENGINE_CORE_DEAD, tag]
+            return frames
+
+        self.output = ZSocketSet(self.outputs, mark)
         self.input_address = self._advertised(self.input, advertise_host)
-        self.output_address = self._advertised(self.output, advertise_host)
+        self.output_addresses = [self._advertised(zs, advertise_host) for zs in self.outputs]
         self.coordinator_address = (
             None if self.coordinator is None else self._advertised(self.coordinator, advertise_host)
         )
         if lockstep and parallel_config is None:
             parallel_config = moe_parallel_config(size, advertise_host)
         self.parallel_config = dict(parallel_config or {})
-        self.init_body = encode_init(
-            [self.input_address],
-            [self.output_address],
-            self.coordinator_address,
-            self.output_address if lockstep else None,  # the coordinator's PULL: ours
-            None,
-            self.parallel_config if lockstep else {},
-        )
+        self.init_bodies = [
+            encode_init(
+                [self.input_address],
+                [output],
+                self.coordinator_address,
+                output if lockstep else None,  # the coordinator's PULL: the rank's own
+                None,
+                self.parallel_config if lockstep else {},
+            )
+            for output in self.output_addresses
+        ]
+        self._hello_seen = [False] * size  # a connection to rank r's output is r's
         self.state = VllmHandshake(
             size,
-            lambda _rank: self.init_body,
+            lambda rank: self.init_bodies[rank],
             lockstep=lockstep,
             expected_hash=parallel_config_hash,
             version_override=vllm_version,
@@ -188,6 +217,7 @@ class VllmTransport(TransportBase):
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its identity
         if kind == zmq.XPUB:
             sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, duplicates too
+        heartbeat(sock, self.heartbeat_interval, self.heartbeat_timeout)
         if kind in (zmq.PULL, zmq.ROUTER):
             sock.setsockopt(zmq.RCVHWM, 0)  # as vLLM: engines never block on us
             # A frame past it drops the peer's connection (libzmq): one engine cannot
@@ -216,12 +246,19 @@ class VllmTransport(TransportBase):
         self.coordinator.kick()
 
     def forget(self, rank: int, *, resync: bool = True) -> None:
-        """The rank is dead: it is up again after a new HELLO (vLLM has no RESYNC)."""
+        """The rank is dead: it is up again after a new HELLO (vLLM has no RESYNC: a
+        vLLM engine does its handshake once, so only a restarted one comes back)."""
         self.state.forget(rank)
+        self._hello_seen[rank] = False
+        self._monitors[rank][1].release(rank)
+
+    def _new_connection_owner(self, index: int) -> int | None:
+        """A connection to rank `index`'s output socket after its HELLO is its own."""
+        return index if self._hello_seen[index] else None
 
     # -- the owning tasks ---------------------------------------------------------------
 
-    def _on_handshake_message(self, frames: list[bytes]) -> None:
+    def _on_handshake_message(self, frames: list[bytes], fd: int) -> None:
         """HELLO (answered with the rank's init) or READY on the handshake socket
         (`TransportBase.serve_handshake` reads them)."""
         if len(frames) != 2:
@@ -244,6 +281,10 @@ class VllmTransport(TransportBase):
             if verdict.rejoin:
                 log.warning("rank %d: HELLO again: its previous incarnation is dead", verdict.rank)
                 self.listener.rejoin(verdict.rank)
+            # Connections to its output socket open now are a previous incarnation's;
+            # this one connects once it has read the init.
+            self._monitors[verdict.rank][1].release(verdict.rank)
+            self._hello_seen[verdict.rank] = True
             self._answer_bytes(identity, verdict.reply)
         elif status == "READY":
             if (rank := self.state.on_ready(identity, msg)) is not None:
@@ -300,6 +341,9 @@ async def open_vllm_transport(
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     insecure: bool = False,
     vllm_version: str | None = None,
+    death_tag: Callable[[int], bytes] | None = None,
+    heartbeat_interval: float | None = 0.5,
+    heartbeat_timeout: float = 3.0,
 ) -> AsyncIterator[VllmTransport]:
     """Bind, serve the handshake, wait for all `engines` ranks (`HandshakeTimeout`
     naming each missing rank and why), yield; leaving closes everything."""
@@ -315,6 +359,9 @@ async def open_vllm_transport(
         max_message_size=max_message_size,
         insecure=insecure,
         vllm_version=vllm_version,
+        death_tag=death_tag,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
     )
     try:
         async with open_service_nursery() as nursery:

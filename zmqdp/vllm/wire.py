@@ -17,8 +17,12 @@ are the same as on the native wire.
   the message's `engine_index`. A message that is not an `EngineCoreOutputs` names no
   rank and cannot kill one; it is counted and logged, as is one naming a rank outside
   the group.
-* ``ENGINE_CORE_DEAD`` names no rank either (one bare frame on a PULL socket): it
-  fails the whole group (`Incoming.group_dead`), as vLLM's own frontend does.
+* ``ENGINE_CORE_DEAD`` names no rank either (one bare frame). But every rank is given an
+  output socket of its own (`sockets.py`), which tags the sentinel with the rank it came
+  from (`death_tag`, unforgeable: it holds a secret of this wire), so only that rank
+  dies (`OutputBatch.dead`), and a dense group keeps serving on the others. An
+  untagged sentinel (no such socket) fails the whole group (`Incoming.group_dead`), as
+  vLLM's own frontend does.
 * A malformed output entry ends only its request (§7), and the client also sends that
   request's ABORT (`abort_malformed`): the engine would run it on to `max_tokens`.
 * Call ids are random unsigned 64-bit ints, as vLLM's client makes them.
@@ -108,6 +112,13 @@ class VllmWire:
 
     def __init__(self, client_index: int = 0) -> None:
         self.client_index = client_index
+        self._death_secret = secrets.token_bytes(16)
+
+    def death_tag(self, rank: int) -> bytes:
+        """The frame the transport appends to an ``ENGINE_CORE_DEAD`` that came on
+        `rank`'s own output socket. No engine can forge it: it holds a secret of this
+        wire."""
+        return self._death_secret + rank.to_bytes(2, "little")
 
     def prepare(
         self, request: VllmRequest, infos: Sequence[Mapping[str, Any]], wall_time: float
@@ -173,6 +184,13 @@ class VllmWire:
 
     def read(self, frames: list[bytes], size: int) -> Incoming:
         """``[EngineCoreOutputs, *aux]`` from the output PULL socket."""
+        if len(frames) == 2 and frames[0] == ENGINE_CORE_DEAD:
+            tag = frames[1]
+            if len(tag) == 18 and tag[:16] == self._death_secret:
+                rank = int.from_bytes(tag[16:], "little")
+                if rank < size:
+                    dead = "ENGINE_CORE_DEAD (an engine-side fatal error: see that engine's log)"
+                    return Incoming(rank, batch=OutputBatch(rank, dead=dead))
         if len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
             return Incoming(
                 None,

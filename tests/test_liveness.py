@@ -1,0 +1,119 @@
+"""Liveness and per-rank isolation over real sockets, on both wires (issue 20).
+
+Each rank is an engine process of its own (`python -m zmqdp mock --ranks R` natively,
+`tests/fakes/vllm_process.py` on vLLM's wire), so the faults are the real ones: SIGKILL
+closes its connections, SIGSTOP keeps them open and stops libzmq's I/O thread, which
+answers heartbeats. Each test waits for the promised state with a bound far below the
+silence timeout (30 s): how fast it really is, is `benchmarks/bench_liveness.py`'s to
+measure, not a timed assertion's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from zmqdp import EngineDead, RankState
+
+from .fakes.processes import WIRES, Wire, ranks
+
+HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 0.6}
+BOUND = 5.0
+"""Seconds any death must be seen within here: far below `silence_timeout` (30 s)."""
+
+
+async def down(group: Any, rank: int) -> None:
+    with trio.fail_after(BOUND):
+        await group.rank_state(rank).wait_value(RankState.DOWN)
+
+
+async def finish(group: Any, request: Any) -> list[Any]:
+    async with group.submit(request) as stream:
+        return [out async for out in stream]
+
+
+@pytest.mark.timeout_s(60)
+@pytest.mark.parametrize("wire", WIRES)
+async def test_kill_of_an_idle_engine_is_seen_at_once(tmp_path: Path, wire: Wire) -> None:
+    url = wire.url(tmp_path)
+    async with ranks(wire, url, 2) as procs, wire.connect(url, 2, **HEARTBEAT) as group:
+        await finish(group, wire.request("warm", 3, rank=1))
+        procs[1].kill()
+        await down(group, 1)
+        health = group.health()
+        assert health.ranks_up == 1 and health.ready and health.live
+        stats = group.statistics()
+        assert stats.connections_lost == 1 and stats.failed == 0
+        assert [r.state for r in stats.ranks] == [RankState.UP, RankState.DOWN]
+        outs = await finish(group, wire.request("after", 3))  # least-loaded: rank 0
+        assert outs[-1].finish == "length"
+
+
+@pytest.mark.timeout_s(60)
+@pytest.mark.parametrize("wire", WIRES)
+async def test_kill_of_a_busy_engine_fails_only_its_requests(tmp_path: Path, wire: Wire) -> None:
+    url = wire.url(tmp_path)
+    async with ranks(wire, url, 2) as procs, wire.connect(url, 2, **HEARTBEAT) as group:
+        survivor = wire.request("survivor", 400, rank=0)
+        async with group.submit(survivor) as s0, group.submit(wire.request("v", 10**6, 1)) as s1:
+            await s0.receive()
+            await s1.receive()
+            procs[1].kill()
+            with trio.fail_after(BOUND), pytest.raises(EngineDead) as info:
+                async for _ in s1:
+                    pass
+            assert info.value.rank == 1 and info.value.request_id == "v"
+            assert "connection closed" in str(info.value)
+            rest = [out async for out in s0]
+        assert rest[-1].finish == "length"
+        assert group.closed is None
+        stats = group.statistics()
+        assert stats.failed == 1 and stats.finished == 1
+
+
+@pytest.mark.timeout_s(60)
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_stopped_engine_is_dead_after_the_heartbeat_timeout(
+    tmp_path: Path, wire: Wire
+) -> None:
+    url = wire.url(tmp_path)
+    async with ranks(wire, url, 2) as procs, wire.connect(url, 2, **HEARTBEAT) as group:
+        async with group.submit(wire.request("held", 10**6, rank=1)) as s1:
+            await s1.receive()
+            os.kill(procs[1].pid, signal.SIGSTOP)  # its sockets stay open
+            with trio.fail_after(BOUND), pytest.raises(EngineDead) as info:
+                async for _ in s1:
+                    pass
+            assert "heartbeat" in str(info.value)
+        assert group.rank_state(1).value is RankState.DOWN
+        os.kill(procs[1].pid, signal.SIGCONT)
+        if wire.name == "native":
+            # RESYNC reaches it once its connections are back: a new incarnation
+            with trio.fail_after(BOUND):
+                await group.rank_state(1).wait_value(RankState.UP)
+            outs = await finish(group, wire.request("back", 3, rank=1))
+            assert outs[-1].finish == "length"
+        outs = await finish(group, wire.request("survivor", 3, rank=0))
+        assert outs[-1].finish == "length"
+
+
+@pytest.mark.timeout_s(90)
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_restarted_rank_rejoins_without_restarting_the_client(
+    tmp_path: Path, wire: Wire
+) -> None:
+    url = wire.url(tmp_path)
+    async with ranks(wire, url, 2) as procs, wire.connect(url, 2, **HEARTBEAT) as group:
+        procs[1].kill()
+        await down(group, 1)
+        async with wire.engine(url, 2, 1):
+            with trio.fail_after(30):
+                await group.rank_state(1).wait_value(RankState.UP)
+            outs = await finish(group, wire.request("again", 3, rank=1))
+            assert outs[-1].finish == "length"
+            assert group.health().ranks_up == 2
