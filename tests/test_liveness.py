@@ -117,3 +117,30 @@ async def test_a_restarted_rank_rejoins_without_restarting_the_client(
             outs = await finish(group, wire.request("again", 3, rank=1))
             assert outs[-1].finish == "length"
             assert group.health().ranks_up == 2
+
+
+@pytest.mark.timeout_s(60)
+async def test_the_gateways_ready_follows_a_killed_engine_without_a_request(
+    tmp_path: Path,
+) -> None:
+    """Issue 20's first finding: 35 s after a SIGKILL, `/ready` still said 2 ranks up.
+    Now the rank is DOWN at once, and `/ready` says so with no request sent."""
+    from zmqdp.gateway import create_app
+
+    from .test_gateway import serving
+
+    wire = Wire("native")
+    url = wire.url(tmp_path)
+    async with ranks(wire, url, 2) as procs:
+        app = create_app(url, 2, ready_timeout=30.0, **HEARTBEAT)
+        async with serving(app) as client:
+            assert (await client.get("/ready")).json()["ranks_up"] == 2
+            procs[1].kill()
+            assert app.group is not None
+            await down(app.group, 1)
+            ready = await client.get("/ready")
+            assert ready.status_code == 200 and ready.json()["ranks_up"] == 1
+            procs[0].kill()
+            await down(app.group, 0)
+            ready = await client.get("/ready")
+            assert ready.status_code == 503 and ready.json()["ranks_up"] == 0
