@@ -19,7 +19,7 @@ import trio
 from ._admission import WaitQueue
 from ._calls import PendingCalls
 from ._core.effects import Effects
-from ._core.errors import GroupClosed
+from ._core.errors import GroupClosed, GroupRecovering
 from ._core.requests import Outcome
 from ._core.state import GroupCore
 from ._transport import Transport
@@ -110,7 +110,8 @@ class Carrier:
                 self._logs.log(level, key, "%s", message)
         if fx.closed is not None:
             closed = fx.closed
-            self._waiters.fail_all(lambda r: GroupClosed(closed.cause, str(getattr(r, "id", r))))
+            kind = GroupRecovering if isinstance(closed, GroupRecovering) else GroupClosed
+            self._waiters.fail_all(lambda r: kind(closed.cause, str(getattr(r, "id", r))))
         if fx.wave is not None:
             self._wave.value = fx.wave
         if fx.room:

@@ -15,7 +15,7 @@ __all__ = ["group_health", "group_statistics"]
 def group_health(core: GroupCore[Any]) -> GroupHealth:
     """What a liveness and a readiness probe ask."""
     up = [r for r in range(core.size) if core.is_up(r)]
-    live = core.closed is None
+    live = core.closed is None or core.recovering  # recovering: do not restart the host
     caps = [core.routing.cap(r) for r in up]
     room = (
         None
@@ -27,7 +27,7 @@ def group_health(core: GroupCore[Any]) -> GroupHealth:
     )
     return GroupHealth(
         live=live,
-        ready=live and not core.draining and bool(up),
+        ready=core.closed is None and not core.draining and bool(up),
         draining=core.draining,
         ranks_up=len(up),
         size=core.size,
@@ -75,7 +75,7 @@ def group_statistics(
         waiting=waiting,
         protocol_errors=c.protocol_errors,
         malformed_entries=c.malformed_entries,
-        stale_messages=c.stale_messages,
+        stale_messages=c.stale_messages + t.stale_messages,
         late_outputs=c.late_outputs,
         unknown_outputs=c.unknown_outputs,
         wakes=core.wake_rounds,

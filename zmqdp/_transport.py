@@ -207,6 +207,9 @@ class TransportStatistics:
     connections_lost: int
     """Ranks declared dead because their connection closed (exit, kill, or missed
     heartbeats)."""
+    stale_messages: int
+    """vLLM: output messages dropped because they came on a connection of a previous
+    incarnation of their rank (a lingering engine the rank's new one replaced)."""
 
 
 class Transport(Protocol):
@@ -343,20 +346,20 @@ class TransportBase:
         """One handshake message, `fd` the connection it came on (-1: unknown)."""
         raise NotImplementedError
 
-    def _new_connection_owner(self, index: int) -> int | None:
-        """The rank a connection just accepted on monitored socket `index` belongs to
-        (vLLM: that rank's own output socket, once it said HELLO); None: nobody's
-        until a message claims it (natively, its HELLO)."""
-        return None
+    def _handshake_monitors(self) -> list[tuple[Monitor, ConnectionWatch]]:
+        """The connection monitors the handshake task reads (natively, the handshake
+        socket's; vLLM's are read by the dispatcher with their output sockets)."""
+        return self._monitors
 
     def _watch_connections(self) -> None:
-        """Read every connection monitor (before the handshake messages: see
-        `_core/liveness.py` on ordering); report each rank whose current connection
-        closed."""
-        for index, (monitor, watch) in enumerate(self._monitors):
+        """Read the handshake task's connection monitors (before the handshake
+        messages: see `_core/liveness.py` on ordering); report each rank whose current
+        incarnation's connection closed. A connection is nobody's until a HELLO on it
+        claims it."""
+        for monitor, watch in self._handshake_monitors():
             for event, fd in monitor.events():
                 if event == ACCEPTED:
-                    watch.accepted(fd, self._new_connection_owner(index))
+                    watch.accepted(fd)
                 elif (rank := watch.disconnected(fd)) is not None:
                     self._connection_lost(rank)
 
@@ -396,7 +399,7 @@ class TransportBase:
         Cancellation: it stops between messages; a message it took off the socket is
         answered first (the answer may be lost with the socket)."""
         zs = self.handshake
-        monitors = [monitor.zs for monitor, _ in self._monitors]
+        monitors = [monitor.zs for monitor, _ in self._handshake_monitors()]
         while True:
             next_at = self._resync(trio.current_time())
             self._watch_connections()
@@ -522,6 +525,7 @@ class TransportBase:
             refused_connections=extra.get("refused_connections", 0),
             impersonations=extra.get("impersonations", 0),
             connections_lost=self._connections_lost,
+            stale_messages=self.output.dropped if isinstance(self.output, ZSocketSet) else 0,
         )
 
     def _close_sockets(self) -> None:

@@ -438,22 +438,43 @@ async def wait_any(members: Sequence[ZSocket], fds: _Fds) -> None:
             first._fallbacks += 1
 
 
+Gate = Callable[[int], Callable[[int], bool] | None]
+"""`gate(i)`, called before each drain of member `i`: does what must come first (read
+the member's connection monitor) and returns None (take every message) or a predicate
+on the fd each message came on (keep it?)."""
+
+
 class ZSocketSet:
     """Several receiving sockets read as one by a single task (vLLM's per-rank output
     sockets, read by the dispatcher): the interface of `ZSocket` that the dispatcher
     uses. Each drain takes from the members in turn, starting one further each time,
     so a chatty member cannot starve the others. `mark(i, frames)` may rewrite a
-    message of member `i` (vLLM: tag a death sentinel with the rank that sent it)."""
+    message of member `i` (vLLM: tag a death sentinel with the rank that sent it).
+
+    `gate` (module `Gate`) runs before each member's drain, and `extra` sockets (its
+    connection monitors, which the same task reads in `gate`) wake a parked receive
+    too: a connection that closes while the task is parked is seen at once. A member
+    whose gate returns a predicate is read with each message's source fd (slower) and
+    a message it refuses is dropped and counted (`dropped`)."""
 
     def __init__(
         self,
         members: Sequence[ZSocket],
         mark: Callable[[int, list[bytes]], list[bytes]] | None = None,
+        *,
+        gate: Gate | None = None,
+        extra: Sequence[ZSocket] = (),
     ) -> None:
         self.members = tuple(members)
         self._mark = mark
+        self._gate = gate
+        self._extra = tuple(extra)
         self._start = 0
         self._fds: _Fds | None = None
+        self._park: trio.CancelScope | None = None
+        self._kicked = False
+        self.dropped = 0
+        """Messages a gate refused (a previous incarnation's connection)."""
 
     @property
     def closed(self) -> bool:
@@ -471,9 +492,16 @@ class ZSocketSet:
         self._start = (start + 1) % n
         out: list[list[bytes]] = []
         mark = self._mark
+        gate = self._gate
         for k in range(n):
             i = (start + k) % n
-            got = members[i].receive_nowait(limit - len(out))
+            keep = None if gate is None else gate(i)
+            if keep is None:
+                got = members[i].receive_nowait(limit - len(out))
+            else:
+                sourced = members[i].receive_nowait_sourced(limit - len(out))
+                got = [frames for frames, fd in sourced if keep(fd)]
+                self.dropped += len(sourced) - len(got)
             if got:
                 if mark is not None:
                     got = [mark(i, frames) for frames in got]
@@ -485,18 +513,34 @@ class ZSocketSet:
     async def receive_batch(self, limit: int = 256) -> list[list[bytes]]:
         """Wait for at least one message of any member; cancellation as
         `ZSocket.receive_batch` (a message once received is never lost)."""
-        for zs in self.members:
+        waited = (*self.members, *self._extra)
+        for zs in waited:
             zs._claim()
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
+            self._kicked = False
             batch = self.receive_nowait(limit)
             if batch:
                 self.members[0]._batches += 1
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
+            if self._kicked:
+                continue  # a gate has something to do now
             if self._fds is None:
-                self._fds = _Fds(self.members)
-            await wait_any(self.members, self._fds)
+                self._fds = _Fds(waited)
+            with trio.CancelScope() as scope:
+                self._park = scope
+                try:
+                    await wait_any(waited, self._fds)
+                finally:
+                    self._park = None
+
+    def kick(self) -> None:
+        """Make the owner run its gates now (any task may call this): a parked
+        `receive_batch` wakes, a busy one looks again before it parks."""
+        self._kicked = True
+        if self._park is not None:
+            self._park.cancel()
 
     def close(self) -> None:
         if self._fds is not None:

@@ -199,6 +199,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
                 wave=transport.state.hello_wave(),
                 wire=dialect.wire,
                 held_limit=4 * options.max_message_size,
+                recover=options.recover,
             )
             group = cast(
                 EngineGroup[S],
@@ -250,7 +251,9 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
     @property
     def closed(self) -> GroupClosed | None:
-        """Why the group is closed or failed, or None while it serves."""
+        """Why the group is closed or failed, or None while it serves. A
+        `GroupRecovering` (`ConnectOptions.recover`) while a failed group waits for its
+        ranks to come back: it serves again afterwards."""
         return self._core.closed
 
     # -- requests ---------------------------------------------------------------------

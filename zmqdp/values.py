@@ -148,7 +148,8 @@ class GroupStatistics:
     malformed_entries: int
     """Malformed entries of otherwise valid batches."""
     stale_messages: int
-    """Messages of a dead incarnation (another epoch, or from a rank that is down)."""
+    """Messages of a dead incarnation (another epoch, from a rank that is down, or on
+    vLLM's wire a connection of a previous incarnation), never applied."""
     late_outputs: int
     """Entries for requests that had already ended (e.g. outputs racing an abort)."""
     unknown_outputs: int
@@ -247,6 +248,15 @@ class ConnectOptions:
     heartbeats or not; heartbeats catch one that stopped (SIGSTOP, a frozen host) but
     keeps its sockets open. None: no heartbeats. Heartbeats never count as progress:
     the silence and stall rules look at messages only."""
+    recover: bool = False
+    """A lockstep group whose rank dies fails as a whole: its requests end either way.
+    With `recover`, the group is not closed for good: it keeps its sockets bound,
+    `submit` raises `GroupRecovering` (a `GroupClosed`: a gateway answers 503, and
+    `health()` stays live but not ready), every rank is asked to start over (natively:
+    RESYNC; a vLLM engine must be restarted), and once every rank has completed a new
+    handshake (a restarted engine group, or the survivors starting a new incarnation)
+    the group serves again. Nothing of the failed incarnation reaches the new one.
+    (An independent group never fails as a whole: its ranks come back one by one.)"""
     heartbeat_timeout: float = 3.0
     """Seconds without any traffic after a PING before libzmq drops the connection,
     which makes the rank dead (`RankState.DOWN` at once, its requests end with

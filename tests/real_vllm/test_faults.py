@@ -107,9 +107,12 @@ def test_sigkill_of_one_engine_core_fails_only_its_requests(faulty: GroupHost) -
     for r in results:
         if r.rank == 0:
             assert r.error is None and r.finish == "length" and len(r.tokens) == 300, r
+        elif r.error is None:  # it finished before the kill landed (a fast engine)
+            assert r.finish == "length" and len(r.tokens) == 300, r
         else:
             assert isinstance(r.error, EngineDead), r
             assert "rank 1" in str(r.error) and "silent" not in str(r.error), r
+    assert any(isinstance(r.error, EngineDead) for r in results if r.rank == 1), results
     assert all(r.error is None and r.rank == 0 for r in outcome["after"]), outcome["after"]
     group = faulty.group
     assert group is not None

@@ -17,6 +17,7 @@ __all__ = [
     "EngineDead",
     "GroupClosed",
     "GroupDraining",
+    "GroupRecovering",
     "HandshakeRejected",
     "HandshakeTimeout",
     "InvalidRank",
@@ -228,6 +229,13 @@ class GroupDraining(GroupClosed):
 
     def __init__(self, request_id: str | None = None):
         super().__init__("the engine group is draining: it takes no new requests", request_id)
+
+
+class GroupRecovering(GroupClosed):
+    """The group failed as a whole (a rank of a lockstep group died) and, as
+    `ConnectOptions.recover` asked, waits with its sockets bound until every rank has
+    completed a new handshake; then it serves again. Retry later (a gateway answers
+    503). `EngineGroup.closed` is this error while it waits."""
 
 
 class CallTimeout(ZmqdpError, TimeoutError):

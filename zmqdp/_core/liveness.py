@@ -88,6 +88,10 @@ class ConnectionWatch:
             if not fds:
                 del self._conns[rank]
 
+    def strays(self) -> int:
+        """Open connections that are no rank's current incarnation's."""
+        return len(self._owner) - sum(len(fds) for fds in self._conns.values())
+
     def connections(self, rank: int) -> frozenset[int]:
         """The fds of `rank`'s current incarnation's open connections."""
         return frozenset(self._conns.get(rank, ()))

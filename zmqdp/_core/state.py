@@ -52,6 +52,17 @@ these, because a correct group never needs one). If it then delivers no output f
 Death of a rank ends its requests with FAILED. Whether the whole group then fails
 (lockstep) or only that rank leaves selection (independent) is decided by `rank_dead`,
 which says so in its result.
+
+Recovery (`recover=True`). A lockstep group that fails does not close for good: every
+live request ends as above, every rank is forgotten (natively RESYNCed, so that a
+survivor that is still healthy starts a new incarnation; a restarted group simply says
+HELLO), and `closed` is a `GroupRecovering`, which `submit` and `check_call` raise.
+Each rank that completes a new handshake is up again; once all are, the wave clock
+starts afresh from their HELLOs and the group serves (`recoveries` counts these).
+Messages of the failed incarnation cannot reach the new one: they carry a dead epoch
+(natively), or come on a connection of a previous incarnation (vLLM: dropped by the
+transport), or name wire ids that ended. A rank that dies while the group waits is
+simply forgotten again. `close()` ends the wait.
 """
 
 from __future__ import annotations
@@ -70,6 +81,7 @@ from .errors import (
     EngineDead,
     GroupClosed,
     GroupDraining,
+    GroupRecovering,
     InvalidRank,
     InvalidRequest,
     Overloaded,
@@ -188,8 +200,11 @@ class Failure(Generic[H]):
     """This rank's handshake starts over (it must say HELLO again)."""
     resync: bool = False
     """RESYNC `forget` until it says HELLO (§2.5)."""
+    also_forget: tuple[int, ...] = ()
+    """Recovery: these ranks' handshakes start over too (RESYNCed)."""
     closed: GroupClosed | None = None
-    """The group is closed: every rank is down, every later submit fails."""
+    """The group is closed: every rank is down, every later submit fails (or, if it is
+    a `GroupRecovering`, fails until the ranks are back)."""
 
 
 @dataclass(slots=True)
@@ -300,8 +315,13 @@ class GroupCore(Generic[H]):
         wave: int = 0,
         wire: Wire[Any] | None = None,
         held_limit: int = 4 * DEFAULT_MAX_MESSAGE_SIZE,
+        recover: bool = False,
     ) -> None:
         self.size = size
+        self.recover = recover
+        """A failed lockstep group waits for its ranks instead of closing (docstring)."""
+        self.recoveries = 0
+        """Times the group came back after failing as a whole."""
         self.wire: Wire[Any] = NativeWire() if wire is None else wire
         """The engine protocol (`_core/wire.py`): the codec and its capability flags."""
         self.held_limit = held_limit
@@ -373,11 +393,19 @@ class GroupCore(Generic[H]):
         """
         if not self.is_up(rank):
             return None
+        if self.recovering:  # a new incarnation died before the others came back
+            self.book.rank_down(rank, cause)  # it holds nothing: submits are refused
+            return Failure(rank=rank, cause=cause, forget=None if rejoin else rank, resync=True)
         if self.lockstep:
             dead = EngineDead(rank, cause)
-            return self._fail_group(
-                GroupClosed(f"the lockstep group failed: {dead}"), dead_rank=rank, cause=cause
-            )
+            if self.recover:
+                reason: GroupClosed = GroupRecovering(
+                    f"the lockstep group failed ({dead}) and waits for every rank to "
+                    "complete a new handshake"
+                )
+            else:
+                reason = GroupClosed(f"the lockstep group failed: {dead}")
+            return self._fail_group(reason, dead_rank=rank, cause=cause)
         ended = self.book.rank_down(rank, cause)
         self.counters.count(ended)
         return Failure(
@@ -396,9 +424,12 @@ class GroupCore(Generic[H]):
     def _fail_group(
         self, reason: GroupClosed, *, dead_rank: int | None = None, cause: str = ""
     ) -> Failure[H] | None:
-        if self.closed is not None:
-            return None
+        recovering = isinstance(reason, GroupRecovering)
+        if self.closed is not None and (recovering or not self.recovering):
+            return None  # closed already (a close ends a recovery, nothing else does)
         self.closed = reason
+        if recovering:
+            self._restart_clock()
         up = [self.is_up(r) and r != dead_rank for r in range(self.size)]
         ended: list[Ended[H]] = []
         for rank in range(self.size):
@@ -426,6 +457,8 @@ class GroupCore(Generic[H]):
                 for frames in self._abort_frames(rank, wids)
             ],
             forget=dead_rank,
+            resync=recovering,
+            also_forget=tuple(r for r in range(self.size) if up[r]) if recovering else (),
             closed=reason,
         )
 
@@ -465,7 +498,7 @@ class GroupCore(Generic[H]):
         if type(method) is not str:
             raise InvalidRequest(quote(method), "the CALL method must be a str")
         if self.closed is not None:
-            raise GroupClosed(self.closed.cause)
+            raise self._refusal(None)
         if not self.is_up(rank):
             raise EngineDead(rank, f"CALL {method!r}: the rank is not up")
 
@@ -517,7 +550,7 @@ class GroupCore(Generic[H]):
         no terminal output by `now + timeout` (`expire`).
         """
         if self.closed is not None:
-            raise GroupClosed(self.closed.cause, request_id=str(request_id))
+            raise self._refusal(str(request_id))
         if self.draining:
             raise GroupDraining(str(request_id))
         request_id = check_request_id(request_id)
@@ -553,6 +586,18 @@ class GroupCore(Generic[H]):
         if timeout is not None:
             heapq.heappush(self._expiry, (now + timeout, wire_id, timeout))
         return Submitted(chosen, wire_id, frames)
+
+    def _refusal(self, request_id: str | None) -> GroupClosed:
+        """What a submit or a call raises while the group is closed or recovering."""
+        closed = self.closed
+        assert closed is not None
+        kind = GroupRecovering if isinstance(closed, GroupRecovering) else GroupClosed
+        return kind(closed.cause, request_id=request_id)
+
+    @property
+    def recovering(self) -> bool:
+        """The group failed as a whole and waits for its ranks (`recover`)."""
+        return isinstance(self.closed, GroupRecovering)
 
     def _fits(self, rank: int, frames: tuple[bytes, bytes]) -> bool:
         """§1: the engine accepts a message this large."""
@@ -926,13 +971,21 @@ class GroupCore(Generic[H]):
         """A new incarnation of `rank` finished its handshake: it takes requests, up to
         `cap` in flight (`max_inflight`: an int, None for no cap, or "info" for the
         `max_num_seqs` of its handshake `info`)."""
-        if self.closed is not None:
+        if self.closed is not None and not self.recovering:
             return
         self.rank_up(
             rank, now, epoch=epoch, hello_wave=hello_wave, max_message_size=max_message_size
         )
         self.routing.set_cap(rank, self._cap(rank, cap, info or {}))
         self._fx.rank_state(rank, True)
+        if self.recovering and all(self.is_up(r) for r in range(self.size)):
+            self.closed = None
+            self.recoveries += 1
+            self._fx.log(
+                logging.WARNING,
+                f"the engine group is back (recovery #{self.recoveries}): every rank "
+                "completed a new handshake",
+            )
 
     def _cap(self, rank: int, cap: int | str | None, info: Mapping[str, Any]) -> int | None:
         if cap != "info":
@@ -966,6 +1019,14 @@ class GroupCore(Generic[H]):
             self._fx.log(logging.ERROR, f"rank {rank}: dead: {cause}")
             self._carry(failure)
 
+    def _restart_clock(self) -> None:
+        """Recovery: the group's next incarnation starts its waves afresh (each rank's
+        HELLO wave is folded in as it comes up)."""
+        if self.clock is not None:
+            self.clock = WaveClock(0)
+            self._adds_since_wake = False
+            self._wake_due = False
+
     def on_close(self, cause: str = "the engine group was closed") -> None:
         """Close the group (§9): every live request ends, ABORTs go to ranks still up."""
         failure = self.close(cause)
@@ -974,7 +1035,7 @@ class GroupCore(Generic[H]):
 
     def on_drain(self) -> bool:
         """Stop taking requests; False if the group was closed or draining already."""
-        if self.closed is not None or self.draining:
+        if (self.closed is not None and not self.recovering) or self.draining:
             return False
         self.draining = True
         return True
@@ -990,6 +1051,9 @@ class GroupCore(Generic[H]):
             fx.send(rank, frames)
         if failure.forget is not None:
             fx.forget(failure.forget, failure.resync)
+        for rank in failure.also_forget:
+            self._drop_held(rank)
+            fx.forget(rank, True)
         if failure.rank is not None:
             fx.fail_calls(failure.rank, EngineDead(failure.rank, failure.cause))
         if failure.closed is not None:

@@ -91,8 +91,9 @@ def create_app(
 
     The app connects to `url` and `engines` ranks at lifespan startup with
     `connect_options` (`ready_timeout`, `silence_timeout`, `max_inflight`,
-    `request_timeout`, `max_buffered` (default here `DEFAULT_MAX_BUFFERED`), `curve`...:
-    those of `EngineGroup.connect`), and
+    `request_timeout`, `max_buffered` (default here `DEFAULT_MAX_BUFFERED`), `recover`
+    (default here True: a failed lockstep group waits for its ranks, `/ready` answers
+    503 meanwhile and `/health` 200), `curve`...: those of `EngineGroup.connect`), and
     drains and closes the group at shutdown. `mock` also runs a mock group (engines
     from the config unless `engines` says otherwise) on `url`, or on a private ipc path
     if `url` is None. `group`: serve an already connected group instead (the caller
@@ -115,6 +116,7 @@ def create_app(
         raise ValueError("create_app needs url and engines, a mock config, or a group")
     if group is None:
         connect_options.setdefault("max_buffered", DEFAULT_MAX_BUFFERED)
+        connect_options.setdefault("recover", True)  # a failed group comes back: 503 meanwhile
     if queue_timeout < 0 or retry_after < 0 or drain_grace < 0:
         raise ValueError("queue_timeout, retry_after and drain_grace must be >= 0")
     if drain_timeout is not None and drain_timeout < 0:

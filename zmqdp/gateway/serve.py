@@ -59,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ready-timeout", type=float, default=60.0, help="wait for ranks, s")
     group.add_argument(
+        "--no-recover",
+        dest="recover",
+        action="store_false",
+        help="close for good when a lockstep group fails (default: wait for the ranks to "
+        "come back, /ready 503 meanwhile)",
+    )
+    group.add_argument(
         "--max-buffered",
         type=int,
         default=DEFAULT_MAX_BUFFERED,
@@ -103,6 +110,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
 
     options: dict[str, Any] = {
         "ready_timeout": args.ready_timeout,
+        "recover": args.recover,
         "max_inflight": _max_inflight(args.max_inflight),
         "request_timeout": args.request_timeout,
         "max_buffered": args.max_buffered or None,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import socket as _socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -47,10 +48,11 @@ import zmq
 
 from .._addresses import is_loopback
 from .._core.errors import ProtocolError
+from .._core.liveness import ConnectionWatch
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from .._transport import TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
-from .._zmq import ZSocket, ZSocketSet, heartbeat
+from .._zmq import ACCEPTED, Monitor, ZSocket, ZSocketSet, heartbeat
 from .codec import (
     COORDINATOR_READY,
     ENGINE_CORE_DEAD,
@@ -174,7 +176,9 @@ class VllmTransport(TransportBase):
                 return [ENGINE_CORE_DEAD, tag]
             return frames
 
-        self.output = ZSocketSet(self.outputs, mark)
+        self.output = ZSocketSet(
+            self.outputs, mark, gate=self._gate, extra=[m.zs for m, _ in self._monitors]
+        )
         self.input_address = self._advertised(self.input, advertise_host)
         self.output_addresses = [self._advertised(zs, advertise_host) for zs in self.outputs]
         self.coordinator_address = (
@@ -195,6 +199,9 @@ class VllmTransport(TransportBase):
             for output in self.output_addresses
         ]
         self._hello_seen = [False] * size  # a connection to rank r's output is r's
+        self._hello_due: dict[int, tuple[bytes, bytes]] = {}  # HELLOs the gate answers
+        self._deferred: list[tuple[bytes, bytes]] = []  # answers for the handshake task
+        self._gating = False  # the dispatcher runs `_gate`
         self.state = VllmHandshake(
             size,
             lambda rank: self.init_bodies[rank],
@@ -250,11 +257,49 @@ class VllmTransport(TransportBase):
         vLLM engine does its handshake once, so only a restarted one comes back)."""
         self.state.forget(rank)
         self._hello_seen[rank] = False
+        self._hello_due.pop(rank, None)
         self._monitors[rank][1].release(rank)
 
-    def _new_connection_owner(self, index: int) -> int | None:
-        """A connection to rank `index`'s output socket after its HELLO is its own."""
-        return index if self._hello_seen[index] else None
+    def _begin(self, rank: int) -> None:
+        """A new incarnation of `rank`: the connections its output socket has now are
+        its predecessors'; the ones accepted from now on are its own."""
+        self._monitors[rank][1].release(rank)
+        self._hello_seen[rank] = True
+
+    def _resync(self, now: float) -> float:
+        """(The handshake task, each round.) Send the init answers the gate released."""
+        while self._deferred:
+            identity, body = self._deferred.pop(0)
+            self._answer_bytes(identity, body)
+        return math.inf
+
+    def _handshake_monitors(self) -> list[tuple[Monitor, ConnectionWatch]]:
+        return []  # the dispatcher reads them, with the output sockets (`_gate`)
+
+    def _gate(self, rank: int) -> Callable[[int], bool] | None:
+        """Before the dispatcher drains `rank`'s output socket: read its monitor (a
+        connection accepted after the rank's HELLO is its current incarnation's; the
+        close of its last one is its death), then say which messages to keep. While a
+        connection of a previous incarnation is still open (a lingering engine the
+        rank's restart replaced), messages are read with their source and only the
+        current incarnation's are kept: nothing of a dead incarnation reaches the new
+        one. Called by the dispatcher task, which owns the sockets and their monitors."""
+        self._gating = True
+        monitor, watch = self._monitors[rank]
+        for event, fd in monitor.events():
+            if event == ACCEPTED:
+                watch.accepted(fd, rank if self._hello_seen[rank] else None)
+            elif watch.disconnected(fd) is not None:
+                self._connection_lost(rank)
+        if (due := self._hello_due.pop(rank, None)) is not None:
+            # Every connection accepted until now is a predecessor's (the monitor was
+            # read just above); the new incarnation connects once it has its init.
+            self._begin(rank)
+            self._deferred.append(due)
+            self.handshake.kick()
+        if watch.strays():
+            return watch.connections(rank).__contains__
+        return None
 
     # -- the owning tasks ---------------------------------------------------------------
 
@@ -281,11 +326,15 @@ class VllmTransport(TransportBase):
             if verdict.rejoin:
                 log.warning("rank %d: HELLO again: its previous incarnation is dead", verdict.rank)
                 self.listener.rejoin(verdict.rank)
-            # Connections to its output socket open now are a previous incarnation's;
-            # this one connects once it has read the init.
-            self._monitors[verdict.rank][1].release(verdict.rank)
-            self._hello_seen[verdict.rank] = True
-            self._answer_bytes(identity, verdict.reply)
+            if self._gating:
+                # The dispatcher answers, once it has read the rank's connection
+                # monitor: connections accepted before that are a previous
+                # incarnation's; this one connects once it has read the init.
+                self._hello_due[verdict.rank] = (identity, verdict.reply)
+                self.output.kick()
+            else:  # the initial handshake: no dispatcher yet, no predecessor
+                self._begin(verdict.rank)
+                self._answer_bytes(identity, verdict.reply)
         elif status == "READY":
             if (rank := self.state.on_ready(identity, msg)) is not None:
                 self._rank_up(rank)
