@@ -20,8 +20,16 @@ One loop, one pass per drained batch of up to 256 messages:
 
 A timer that fires with nothing queued is judged only after a short grace if the task
 woke late (`HELD_UP`): libzmq's I/O thread may have been held up too, with heartbeats
-still in the kernel. Cancellation: only at checkpoints (the group is closing); what was
-applied stays applied.
+still in the kernel.
+
+A rank whose connection closed (`lost`, reported by the transport's tasks) is judged
+here too, at the top of the next pass and only after reading what is queued (up to
+`DRAIN_BEFORE_JUDGING` batches): an engine that sent a request's last output and then
+exited must not see that request fail. If the rank came back meanwhile (another
+incarnation), the report is dropped.
+
+Cancellation: only at checkpoints (the group is closing); what was applied stays
+applied.
 """
 
 from __future__ import annotations
@@ -56,6 +64,12 @@ class Dispatcher:
         self._output = output
         self._apply = apply
         self._timer: trio.CancelScope | None = None  # the wait, while parked
+        self._lost: list[tuple[int, object, str]] = []  # (rank, its incarnation, cause)
+
+    def lost(self, rank: int, cause: str) -> None:
+        """`rank`'s connection closed: judge it once what is queued has been read."""
+        self._lost.append((rank, self._core.health[rank], cause))
+        self.move_deadline(trio.current_time())
 
     def move_deadline(self, when: float) -> None:
         """A submit's deadline is earlier than the parked wait's: wake in time."""
@@ -67,6 +81,8 @@ class Dispatcher:
         zs = self._output
         core = self._core
         while True:
+            if self._lost:
+                self._judge_lost()
             if core.has_work():
                 messages = zs.receive_nowait(256)
             else:
@@ -110,11 +126,24 @@ class Dispatcher:
         for stream in dirty:
             stream.notify()
 
-    def _judge_silence(self) -> None:
+    def _read_queued(self) -> None:
+        """Apply what is queued now (a judgement must not outrun what came before it)."""
         core = self._core
         for _ in range(DRAIN_BEFORE_JUDGING):
             messages = self._output.receive_nowait(256)
             core.on_outputs(messages, trio.current_time(), advance=False)
             if len(messages) < 256:
                 break
-        core.on_deadline(trio.current_time())
+
+    def _judge_silence(self) -> None:
+        self._read_queued()
+        self._core.on_deadline(trio.current_time())
+
+    def _judge_lost(self) -> None:
+        core = self._core
+        self._read_queued()
+        lost, self._lost = self._lost, []
+        for rank, incarnation, cause in lost:
+            if core.health[rank] is incarnation:
+                core.on_rank_dead(rank, cause)
+        self._carry_out(set())

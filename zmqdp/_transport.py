@@ -93,6 +93,7 @@ from ._zmq import (
     ZSocket,
     ZSocketSet,
     ZSocketStatistics,
+    handshake_deadline,
     heartbeat,
     is_unreachable,
 )
@@ -306,8 +307,11 @@ class TransportBase:
     _logs: LogLimiter
     _sockets: list[ZSocket]
     _own_context: bool
-    _monitors: list[tuple[Monitor, ConnectionWatch]]
-    """Connection monitors, read by the handshake task, with what each knows."""
+    _monitors: list[Monitor]
+    """Every connection monitor, to close first."""
+    _watched: ZSocket | None = None
+    _monitor: Monitor | None = None
+    heartbeat_interval: float | None
     heartbeat_timeout: float
 
     def _init_base(
@@ -323,6 +327,7 @@ class TransportBase:
         self.ranks_changed = trio.Event()  # set (and replaced) whenever a rank comes up
         self.nursery = None  # set by the opener
         self._connections_lost = 0
+        self._watch = ConnectionWatch()
 
     # -- sending (any task) -----------------------------------------------------------
 
@@ -346,22 +351,54 @@ class TransportBase:
         """One handshake message, `fd` the connection it came on (-1: unknown)."""
         raise NotImplementedError
 
-    def _handshake_monitors(self) -> list[tuple[Monitor, ConnectionWatch]]:
-        """The connection monitors the handshake task reads (natively, the handshake
-        socket's; vLLM's are read by the dispatcher with their output sockets)."""
-        return self._monitors
+    # -- liveness: the watched socket --------------------------------------------------
+    #
+    # One socket per dialect carries the ranks' lives (`_watched`: natively the
+    # handshake ROUTER, on vLLM's wire the input ROUTER). Its owner task reads its
+    # connection monitor to the end before it reads its messages, and again right
+    # before a message claims its connection for a rank (`_claim`), so that every close
+    # and accept that happened before the message is known first (`_core/liveness.py`).
 
     def _watch_connections(self) -> None:
-        """Read the handshake task's connection monitors (before the handshake
-        messages: see `_core/liveness.py` on ordering); report each rank whose current
-        incarnation's connection closed. A connection is nobody's until a HELLO on it
-        claims it."""
-        for monitor, watch in self._handshake_monitors():
-            for event, fd in monitor.events():
+        """(The watched socket's owner.) Read its monitor to the end; report each rank
+        whose current incarnation's connection closed."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        while events := monitor.events():
+            for event, fd in events:
                 if event == ACCEPTED:
-                    watch.accepted(fd)
-                elif (rank := watch.disconnected(fd)) is not None:
+                    self._watch.accepted(fd)
+                elif (rank := self._watch.disconnected(fd)) is not None:
                     self._connection_lost(rank)
+
+    def _claim(self, fd: int, rank: int) -> None:
+        """(The watched socket's owner.) A message of `rank`'s new incarnation came on
+        connection `fd`: the rank lives as long as this connection does."""
+        if fd >= 0:
+            self._watch_connections()
+            self._watch.claim(fd, rank)
+
+    def _take(self, zs: ZSocket) -> list[tuple[list[bytes], int]]:
+        """What `zs`'s owner has to read now, each message with its connection's fd
+        (-1 where nobody asks: a socket that is not the watched one)."""
+        if zs is self._watched:
+            self._watch_connections()
+            return zs.receive_nowait_sourced()
+        return [(frames, -1) for frames in zs.receive_nowait()]
+
+    def _also(self, zs: ZSocket) -> list[ZSocket]:
+        """What else `zs`'s owner parks on: the watched socket's monitor."""
+        return [self._monitor.zs] if zs is self._watched and self._monitor is not None else []
+
+    def _watch_socket(self, zs: ZSocket) -> None:
+        """Make `zs` the watched socket: its monitor. (Its ZMTP heartbeats are set
+        before it binds: libzmq copies a socket's options into each listener. Only
+        there: on a socket whose queue can fill, libzmq stops reading a back-pressured
+        peer, its PONGs with it, and would drop a live connection.)"""
+        self._watched = zs
+        self._monitor = Monitor(zs.sock)
+        self._monitors.append(self._monitor)
 
     def _connection_lost(self, rank: int) -> None:
         self._connections_lost += 1
@@ -376,16 +413,13 @@ class TransportBase:
     def forget(self, rank: int, *, resync: bool = True) -> None:
         raise NotImplementedError
 
-    def _add_monitor(self, zs: ZSocket) -> None:
-        self._monitors.append((Monitor(zs.sock), ConnectionWatch()))
-
     def _close_monitors(self) -> None:
         """Before the sockets they watch close (libzmq: monitors first)."""
-        for monitor, _ in self._monitors:
+        for monitor in self._monitors:
             monitor.close()
         self._monitors = []
 
-    def _on_input_message(self, frames: list[bytes]) -> None:
+    def _on_input_message(self, frames: list[bytes], fd: int) -> None:
         raise NotImplementedError
 
     def _resync(self, now: float) -> float:
@@ -399,17 +433,16 @@ class TransportBase:
         Cancellation: it stops between messages; a message it took off the socket is
         answered first (the answer may be lost with the socket)."""
         zs = self.handshake
-        monitors = [monitor.zs for monitor, _ in self._handshake_monitors()]
+        also = self._also(zs)
         while True:
             next_at = self._resync(trio.current_time())
-            self._watch_connections()
-            batch = zs.receive_nowait_sourced()
+            batch = self._take(zs)
             for frames, fd in batch:
                 self._on_handshake_message(frames, fd)
             if batch:
                 await trio.lowlevel.checkpoint()  # a flood of HELLOs yields per batch
             with trio.move_on_at(next_at):
-                await zs.wait_readable_or_kicked(also=monitors)
+                await zs.wait_readable_or_kicked(also=also)
 
     def _answer_bytes(self, identity: bytes, body: bytes) -> None:
         """Answer without waiting: one peer that does not read must not hold up the
@@ -442,13 +475,14 @@ class TransportBase:
         """Own the input ROUTER (class docstring), forever."""
         zs = self.input
         outbox = self.outbox
+        also = self._also(zs)
         while True:
             self._input_rounds += 1
             now = trio.current_time()
             sent_any = self._flush_input(now)
-            received = zs.receive_nowait()
-            for frames in received:
-                self._on_input_message(frames)
+            received = self._take(zs)
+            for frames, fd in received:
+                self._on_input_message(frames, fd)
             for rank in outbox.overdue(now):
                 outbox.drop(rank)
                 self._send_failed(
@@ -460,7 +494,7 @@ class TransportBase:
                 await trio.lowlevel.checkpoint()
                 continue
             with trio.move_on_at(outbox.next_retry()):
-                await zs.wait_readable_or_kicked()
+                await zs.wait_readable_or_kicked(also=also)
 
     def _flush_input(self, now: float) -> bool:
         """Send what each rank that is not blocked has queued, in order, until its pipe
@@ -630,7 +664,7 @@ class GroupTransport(TransportBase):
             self.output = self._router(
                 "output", self.address.output, max_message_size, safety_timeout
             )
-            self._add_monitor(self.handshake)
+            self._watch_socket(self.handshake)  # engines keep it for life: RESYNC comes on it
             self._bound = True
         except BaseException:
             self._close_sockets()
@@ -662,7 +696,10 @@ class GroupTransport(TransportBase):
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         hwm = output_hwm(max_message_size) if name == "output" else CONTROL_HWM
         sock.setsockopt(zmq.RCVHWM, hwm)
-        heartbeat(sock, self.heartbeat_interval, self.heartbeat_timeout)
+        if name == "handshake":  # the watched socket (its queue holds a few messages)
+            heartbeat(sock, self.heartbeat_interval, self.heartbeat_timeout)
+        else:
+            handshake_deadline(sock, self.heartbeat_timeout)
         if self.address.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:
@@ -723,8 +760,7 @@ class GroupTransport(TransportBase):
         """The rank is dead: it must handshake again. With `resync`, it is sent RESYNC
         at once and then about once a second until it says HELLO (§2.5)."""
         self.state.forget(rank, resync=resync)
-        for _, watch in self._monitors:
-            watch.release(rank)
+        self._watch.release(rank)
         if resync:
             self.handshake.kick()
 
@@ -810,8 +846,8 @@ class GroupTransport(TransportBase):
             self.listener.rejoin(verdict.rank)
         elif isinstance(hello, Hello) and verdict.rank is not None and verdict.rank < self.size:
             log.info("rank %d: HELLO accepted", verdict.rank)
-        if isinstance(verdict.reply, Init) and verdict.rank is not None and fd >= 0:
-            self._monitors[0][1].claim(fd, verdict.rank)  # its life is this connection's
+        if isinstance(verdict.reply, Init) and verdict.rank is not None:
+            self._claim(fd, verdict.rank)  # its life is this connection's
         if isinstance(verdict.reply, Reject):
             self._logs.log(
                 logging.WARNING,
@@ -839,7 +875,7 @@ class GroupTransport(TransportBase):
         assert rank is not None
         self._rank_is_up(rank, f"epoch {self.state.epoch(rank)}, info {self.state.info(rank)!r}")
 
-    def _on_input_message(self, frames: list[bytes]) -> None:
+    def _on_input_message(self, frames: list[bytes], fd: int) -> None:
         if len(frames) == 2:
             try:
                 msg = decode_handshake(frames[1])

@@ -74,6 +74,7 @@ __all__ = [
     "ZSocket",
     "ZSocketSet",
     "ZSocketStatistics",
+    "handshake_deadline",
     "heartbeat",
 ]
 
@@ -563,18 +564,20 @@ DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 class Monitor:
     """libzmq's monitor of one bound socket: each connection accepted and each one
     closed (by the peer's exit, or by libzmq after a heartbeat timeout), with its fd.
-    Owned by the task that owns the monitored socket's other state; read it before
-    that socket's messages, so a connection's close is seen before any message of a
-    later connection that reuses its fd (libzmq emits the event before it closes the
-    fd)."""
+    Owned by the task that owns the monitored socket; read it to the end before that
+    socket's messages (and again before a message is taken as a rank's), so that a
+    connection's accept and close are seen before any message read after them (libzmq
+    emits the accept before the connection can deliver, and the close before it closes
+    the fd, so an fd number reused by a new connection is always seen closed first)."""
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self._target = sock
         self.zs = ZSocket(sock.get_monitor_socket(MONITORED))
 
     def events(self) -> list[tuple[int, int]]:
-        """What happened since the last call, in order: `(ACCEPTED or DISCONNECTED,
-        fd)`."""
+        """Up to 1024 of what happened since the last call, in order: `(ACCEPTED or
+        DISCONNECTED, fd)` (call again until it returns none: libzmq stops accepting
+        connections while about a thousand events wait unread)."""
         out = []
         for frames in self.zs.receive_nowait(1024):
             if len(frames) != 2 or len(frames[0]) != 6:
@@ -597,17 +600,24 @@ def heartbeat(sock: zmq.Socket[bytes], interval: float | None, timeout: float) -
     thread, whatever the engine's own code is doing): a peer that sends nothing, not
     even a PONG, for `timeout` s after a PING is disconnected, which its `Monitor`
     reports. The TTL asks the peer to drop the connection too if it stops hearing from
-    us. A connection whose ZMTP handshake has not completed after `timeout` s is
-    dropped too (`HANDSHAKE_IVL`, 30 s by default): heartbeats start only after the
-    handshake, so an engine stopped in the middle of one would otherwise be seen only
-    30 s later. `interval` None: no heartbeats."""
-    ms = max(1, round(timeout * 1000))
-    sock.setsockopt(zmq.HANDSHAKE_IVL, ms)
+    us. `interval` None: no heartbeats. Only for a socket whose receive queue does not
+    fill: libzmq stops reading a peer whose queue is full, its PONGs with it, and would
+    drop a live connection (and what it had queued)."""
+    handshake_deadline(sock, timeout)
     if interval is None:
         return
+    ms = max(1, round(timeout * 1000))
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(interval * 1000)))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
     sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, ms)))
+
+
+def handshake_deadline(sock: zmq.Socket[bytes], timeout: float) -> None:
+    """Drop a connection whose ZMTP handshake (CURVE included) has not completed after
+    `timeout` s (`HANDSHAKE_IVL`, 30 s by default): heartbeats start only after the
+    handshake, so an engine stopped in the middle of one would be seen 30 s late, and
+    a stalled stranger would hold a connection that long."""
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, round(timeout * 1000)))
 
 
 def is_unreachable(exc: zmq.ZMQError) -> bool:

@@ -447,7 +447,7 @@ class _Listener(TransportListener):
 
     def connection_lost(self, rank: int, cause: str) -> None:
         if self.group is not None:
-            self.group._rank_dead(rank, cause)
+            self.group._dispatcher.lost(rank, cause)  # judged after what came before it
 
     def flushed(self) -> None:
         if self.group is not None:

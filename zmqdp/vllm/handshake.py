@@ -137,6 +137,11 @@ class VllmHandshake:
         r.ready = msg
         return self._maybe_up(rank)
 
+    def awaits_response(self, identity: bytes) -> int | None:
+        """The rank of `identity` if it said HELLO and its ready response is due."""
+        rank = self._rank(identity)
+        return rank if rank is not None and self.ranks[rank].step is _Step.HELLO else None
+
     def on_ready_response(self, identity: bytes, info: dict[str, Any]) -> int | None:
         """The engine's `EngineCoreReadyResponse` on the input socket; returns the rank
         if it is now up."""

@@ -52,7 +52,7 @@ from .._core.liveness import ConnectionWatch
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from .._transport import TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
-from .._zmq import ACCEPTED, Monitor, ZSocket, ZSocketSet, heartbeat
+from .._zmq import ACCEPTED, Monitor, ZSocket, ZSocketSet, handshake_deadline, heartbeat
 from .codec import (
     COORDINATOR_READY,
     ENGINE_CORE_DEAD,
@@ -159,10 +159,11 @@ class VllmTransport(TransportBase):
         self.coordinator: ZSocket | None = None
         try:
             self.handshake = self._bind(zmq.ROUTER, url)
-            self.input = self._bind(zmq.ROUTER, _sibling(url, "input"))
+            self.input = self._bind(zmq.ROUTER, _sibling(url, "input"), watched=True)
+            self._watch_socket(self.input)  # where each rank's ready response comes
             self.outputs = [self._bind(zmq.PULL, _sibling(url, f"output{r}")) for r in range(size)]
-            for zs in self.outputs:
-                self._add_monitor(zs)
+            self._output_watches = [(Monitor(zs.sock), ConnectionWatch()) for zs in self.outputs]
+            self._monitors += [monitor for monitor, _ in self._output_watches]
             if lockstep:
                 self.coordinator = self._bind(zmq.XPUB, _sibling(url, "coordinator"))
         except BaseException:
@@ -177,7 +178,7 @@ class VllmTransport(TransportBase):
             return frames
 
         self.output = ZSocketSet(
-            self.outputs, mark, gate=self._gate, extra=[m.zs for m, _ in self._monitors]
+            self.outputs, mark, gate=self._gate, extra=[m.zs for m, _ in self._output_watches]
         )
         self.input_address = self._advertised(self.input, advertise_host)
         self.output_addresses = [self._advertised(zs, advertise_host) for zs in self.outputs]
@@ -214,7 +215,7 @@ class VllmTransport(TransportBase):
         self._published: collections.deque[list[bytes]] = collections.deque()
         self.subscriptions = 0
 
-    def _bind(self, kind: int, address: str) -> ZSocket:
+    def _bind(self, kind: int, address: str, *, watched: bool = False) -> ZSocket:
         sock = self.context.socket(kind)
         zs = ZSocket(sock)
         self._sockets.append(zs)
@@ -224,7 +225,10 @@ class VllmTransport(TransportBase):
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its identity
         if kind == zmq.XPUB:
             sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, duplicates too
-        heartbeat(sock, self.heartbeat_interval, self.heartbeat_timeout)
+        if watched:  # its queue is unbounded: a busy engine's PONGs are always read
+            heartbeat(sock, self.heartbeat_interval, self.heartbeat_timeout)
+        else:
+            handshake_deadline(sock, self.heartbeat_timeout)
         if kind in (zmq.PULL, zmq.ROUTER):
             sock.setsockopt(zmq.RCVHWM, 0)  # as vLLM: engines never block on us
             # A frame past it drops the peer's connection (libzmq): one engine cannot
@@ -258,12 +262,13 @@ class VllmTransport(TransportBase):
         self.state.forget(rank)
         self._hello_seen[rank] = False
         self._hello_due.pop(rank, None)
-        self._monitors[rank][1].release(rank)
+        self._watch.release(rank)
+        self._output_watches[rank][1].release(rank)
 
     def _begin(self, rank: int) -> None:
         """A new incarnation of `rank`: the connections its output socket has now are
         its predecessors'; the ones accepted from now on are its own."""
-        self._monitors[rank][1].release(rank)
+        self._output_watches[rank][1].release(rank)
         self._hello_seen[rank] = True
 
     def _resync(self, now: float) -> float:
@@ -273,24 +278,23 @@ class VllmTransport(TransportBase):
             self._answer_bytes(identity, body)
         return math.inf
 
-    def _handshake_monitors(self) -> list[tuple[Monitor, ConnectionWatch]]:
-        return []  # the dispatcher reads them, with the output sockets (`_gate`)
-
     def _gate(self, rank: int) -> Callable[[int], bool] | None:
         """Before the dispatcher drains `rank`'s output socket: read its monitor (a
-        connection accepted after the rank's HELLO is its current incarnation's; the
-        close of its last one is its death), then say which messages to keep. While a
+        connection accepted after the rank's HELLO is its current incarnation's), then
+        say which messages to keep. (Its death is judged by its input connection, which
+        its ready response claims: any peer can open and close a connection here.) While a
         connection of a previous incarnation is still open (a lingering engine the
         rank's restart replaced), messages are read with their source and only the
         current incarnation's are kept: nothing of a dead incarnation reaches the new
         one. Called by the dispatcher task, which owns the sockets and their monitors."""
         self._gating = True
-        monitor, watch = self._monitors[rank]
-        for event, fd in monitor.events():
-            if event == ACCEPTED:
-                watch.accepted(fd, rank if self._hello_seen[rank] else None)
-            elif watch.disconnected(fd) is not None:
-                self._connection_lost(rank)
+        monitor, watch = self._output_watches[rank]
+        while events := monitor.events():
+            for event, fd in events:
+                if event == ACCEPTED:
+                    watch.accepted(fd, rank if self._hello_seen[rank] else None)
+                else:
+                    watch.disconnected(fd)
         if (due := self._hello_due.pop(rank, None)) is not None:
             # Every connection accepted until now is a predecessor's (the monitor was
             # read just above); the new incarnation connects once it has its init.
@@ -344,8 +348,9 @@ class VllmTransport(TransportBase):
     def _rank_up(self, rank: int) -> None:
         self._rank_is_up(rank, f"vLLM {self.state.version(rank)}")
 
-    def _on_input_message(self, frames: list[bytes]) -> None:
-        """The engines' ready responses (`TransportBase.serve_input` reads them)."""
+    def _on_input_message(self, frames: list[bytes], fd: int) -> None:
+        """The engines' ready responses (`TransportBase.serve_input` reads them, with
+        the connection each came on: the rank's life is that connection's)."""
         if len(frames) == 2:
             try:
                 info = decode_ready_response(frames[1])
@@ -353,8 +358,11 @@ class VllmTransport(TransportBase):
                 self.state.ignored += 1
                 self._logs.log(logging.WARNING, "in", "input: from %s: %s", frames[0].hex(), exc)
                 return
+            awaiting = self.state.awaits_response(frames[0])
             if (rank := self.state.on_ready_response(frames[0], info)) is not None:
                 self._rank_up(rank)
+            if awaiting is not None:
+                self._claim(fd, awaiting)
             return
         self.state.ignored += 1
 
