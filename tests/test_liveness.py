@@ -32,6 +32,14 @@ async def down(group: Any, rank: int) -> None:
         await group.rank_state(rank).wait_value(RankState.DOWN)
 
 
+async def dead_end(stream: Any) -> EngineDead:
+    """The `EngineDead` `stream` ends with, within `BOUND`."""
+    with trio.fail_after(BOUND), pytest.raises(EngineDead) as info:
+        async for _ in stream:
+            pass
+    return info.value
+
+
 async def finish(group: Any, request: Any) -> list[Any]:
     async with group.submit(request) as stream:
         return [out async for out in stream]
@@ -64,11 +72,9 @@ async def test_kill_of_a_busy_engine_fails_only_its_requests(tmp_path: Path, wir
             await s0.receive()
             await s1.receive()
             procs[1].kill()
-            with trio.fail_after(BOUND), pytest.raises(EngineDead) as info:
-                async for _ in s1:
-                    pass
-            assert info.value.rank == 1 and info.value.request_id == "v"
-            assert "connection closed" in str(info.value)
+            error = await dead_end(s1)
+            assert error.rank == 1 and error.request_id == "v"
+            assert "connection closed" in str(error)
             rest = [out async for out in s0]
         assert rest[-1].finish == "length"
         assert group.closed is None
@@ -86,10 +92,7 @@ async def test_a_stopped_engine_is_dead_after_the_heartbeat_timeout(
         async with group.submit(wire.request("held", 10**6, rank=1)) as s1:
             await s1.receive()
             os.kill(procs[1].pid, signal.SIGSTOP)  # its sockets stay open
-            with trio.fail_after(BOUND), pytest.raises(EngineDead) as info:
-                async for _ in s1:
-                    pass
-            assert "heartbeat" in str(info.value)
+            assert "heartbeat" in str(await dead_end(s1))
         assert group.rank_state(1).value is RankState.DOWN
         os.kill(procs[1].pid, signal.SIGCONT)
         if wire.name == "native":
@@ -144,3 +147,20 @@ async def test_the_gateways_ready_follows_a_killed_engine_without_a_request(
             await down(app.group, 0)
             ready = await client.get("/ready")
             assert ready.status_code == 503 and ready.json()["ranks_up"] == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"heartbeat_interval": 0},
+        {"heartbeat_interval": True},
+        {"heartbeat_timeout": 0.001},
+        {"heartbeat_timeout": "3"},
+        {"heartbeat_interval": 2.0, "heartbeat_timeout": 1.0},
+    ],
+)
+def test_heartbeat_options_no_group_could_use_are_refused(options: dict[str, Any]) -> None:
+    from zmqdp import ConnectOptions
+
+    with pytest.raises(ValueError, match="heartbeat_"):
+        ConnectOptions(**options)

@@ -208,10 +208,24 @@ class ZSocket:
     def _drain_checked(self, limit: int) -> list[list[bytes]]:
         """`_drain` for a socket whose peers are authenticated: read each message with
         its metadata and keep it only if `peer_check` accepts its sender."""
+        return [data for data, _ in self._drain_sourced(limit, with_fd=False)]
+
+    def receive_nowait_sourced(self, limit: int = 256) -> list[tuple[list[bytes], int]]:
+        """`receive_nowait`, each message with the fd of the connection it came on
+        (libzmq's `ZMQ_SRCFD`; -1 if unknown), to tie a peer's messages to the
+        connection `Monitor` reports on. Slower than `receive_nowait`: for sockets that
+        carry a few messages per connection (the handshake)."""
+        self._claim()
+        if not self._getsockopt(_EVENTS) & POLLIN:
+            return []
+        return self._drain_sourced(limit, with_fd=True)
+
+    def _drain_sourced(self, limit: int, *, with_fd: bool) -> list[tuple[list[bytes], int]]:
+        """Read each message with its metadata (`copy=False`); with `peer_check`, keep
+        only those whose sender it accepts."""
         check = self.peer_check
-        assert check is not None
         recv = self.sock.recv_multipart
-        out: list[list[bytes]] = []
+        out: list[tuple[list[bytes], int]] = []
         budget = self.max_bytes
         taken = 0
         try:
@@ -222,47 +236,17 @@ class ZSocket:
                 for frame in data:
                     budget -= len(frame)
                 # The metadata travels on the frames that came over the wire, not on the
-                # routing-id frame the ROUTER prepends.
-                user_id = frames[1].get("User-Id") if len(frames) > 1 else None
-                if check(data[0], user_id if isinstance(user_id, str) else None):
-                    out.append(data)
-                else:
-                    self._refused += 1
-        except zmq.Again:
-            pass
-        self._received += taken
-        return out
-
-    def receive_nowait_sourced(self, limit: int = 256) -> list[tuple[list[bytes], int]]:
-        """`receive_nowait`, each message with the fd of the connection it came on
-        (libzmq's `ZMQ_SRCFD`; -1 if unknown), to tie a peer's messages to the
-        connection `Monitor` reports on. Slower than `receive_nowait`: for sockets that
-        carry a few messages per connection (the handshake)."""
-        self._claim()
-        out: list[tuple[list[bytes], int]] = []
-        if not self._getsockopt(_EVENTS) & POLLIN:
-            return out
-        check = self.peer_check
-        recv = self.sock.recv_multipart
-        budget = self.max_bytes
-        taken = 0
-        try:
-            while taken < limit and budget > 0:
-                frames = recv(_NOBLOCK, copy=False)
-                taken += 1
-                data = [f.bytes for f in frames]
-                for frame in data:
-                    budget -= len(frame)
+                # routing-id frame a ROUTER prepends.
                 wire = frames[1] if len(frames) > 1 else frames[0]
                 if check is not None:
                     user_id = wire.get("User-Id") if len(frames) > 1 else None
                     if not check(data[0], user_id if isinstance(user_id, str) else None):
                         self._refused += 1
                         continue
-                try:
-                    fd = int(wire.get(_SRCFD))
-                except zmq.ZMQError:
-                    fd = -1
+                fd = -1
+                if with_fd:
+                    with contextlib.suppress(zmq.ZMQError):
+                        fd = int(wire.get(_SRCFD))
                 out.append((data, fd))
         except zmq.Again:
             pass

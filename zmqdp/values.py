@@ -243,11 +243,18 @@ class ConnectOptions:
     network)."""
     heartbeat_interval: float | None = 0.5
     """Seconds between ZMTP heartbeats (PINGs, answered by libzmq in the engine's I/O
-    thread, whatever its own code is doing) on every connection the client accepts.
+    thread, whatever its own code is doing) on the connections that carry the ranks'
+    lives (natively the handshake socket's, on vLLM's wire the input socket's).
     An engine that exits or is killed is seen dead at once, by its connection's close,
     heartbeats or not; heartbeats catch one that stopped (SIGSTOP, a frozen host) but
-    keeps its sockets open. None: no heartbeats. Heartbeats never count as progress:
-    the silence and stall rules look at messages only."""
+    keeps its sockets open. None: no heartbeats (a connection whose ZMTP handshake
+    stalls is still dropped after `heartbeat_timeout`). Heartbeats never count as
+    progress: the silence and stall rules look at messages only."""
+    heartbeat_timeout: float = 3.0
+    """Seconds without any traffic after a PING before libzmq drops the connection,
+    which makes the rank dead (`RankState.DOWN` at once, its requests end with
+    `EngineDead`). A stopped engine is seen dead within about `heartbeat_interval` +
+    `heartbeat_timeout`."""
     recover: bool = False
     """A lockstep group whose rank dies fails as a whole: its requests end either way.
     With `recover`, the group is not closed for good: it keeps its sockets bound,
@@ -257,11 +264,6 @@ class ConnectOptions:
     handshake (a restarted engine group, or the survivors starting a new incarnation)
     the group serves again. Nothing of the failed incarnation reaches the new one.
     (An independent group never fails as a whole: its ranks come back one by one.)"""
-    heartbeat_timeout: float = 3.0
-    """Seconds without any traffic after a PING before libzmq drops the connection,
-    which makes the rank dead (`RankState.DOWN` at once, its requests end with
-    `EngineDead`). A stopped engine is seen dead within about `heartbeat_interval` +
-    `heartbeat_timeout`."""
 
     def __post_init__(self) -> None:
         """Refuse what no group could use, before anything is bound."""
@@ -273,10 +275,10 @@ class ConnectOptions:
             raise ValueError(f"max_inflight must be a positive int, 'info' or None, got {mi!r}")
         check_timeout("request_timeout", self.request_timeout)
         hi, ht = self.heartbeat_interval, self.heartbeat_timeout
-        if hi is not None and (not isinstance(hi, int | float) or not 0.001 <= hi <= 3600):
-            raise ValueError(f"heartbeat_interval must be None or 0.001..3600 s, got {hi!r}")
-        if not isinstance(ht, int | float) or not 0.001 <= ht <= 3600:
-            raise ValueError(f"heartbeat_timeout must be 0.001..3600 s, got {ht!r}")
+        if hi is not None and (type(hi) not in (int, float) or not 0.01 <= hi <= 3600):
+            raise ValueError(f"heartbeat_interval must be None or 0.01..3600 s, got {hi!r}")
+        if type(ht) not in (int, float) or not 0.01 <= ht <= 3600:
+            raise ValueError(f"heartbeat_timeout must be 0.01..3600 s, got {ht!r}")
         if hi is not None and ht < hi:
             raise ValueError(
                 f"heartbeat_timeout ({ht!r} s) must be at least heartbeat_interval ({hi!r} s)"

@@ -11,7 +11,7 @@ import pytest
 
 from tests.models.long_batches import check_long_batches
 from zmqdp._core.codec import decode_request
-from zmqdp._core.errors import GroupClosed, InvalidRequest
+from zmqdp._core.errors import GroupClosed, GroupRecovering, InvalidRequest
 from zmqdp._core.handshake import MAX_REJECTIONS_KEPT, HandshakeState, rank_identity
 from zmqdp._core.messages import Hello
 from zmqdp._core.requests import Outcome
@@ -290,6 +290,54 @@ def test_a_dead_lockstep_rank_fails_the_group_and_aborts_on_its_peers() -> None:
     assert not c.is_up(0) and not c.is_up(1) and c.close() is None
     with pytest.raises(GroupClosed, match="lockstep group failed"):
         c.submit("c", None, object(), None, now=0)
+
+
+def test_a_recovering_lockstep_group_waits_for_every_rank_then_serves() -> None:
+    """`recover=True`: the failure ends the requests as without it, but forgets and
+    RESYNCs every rank, refuses submits with `GroupRecovering` until every rank has
+    completed a new handshake, restarts the wave clock, and drops batches of the
+    failed incarnation."""
+    c = core(lockstep=True, recover=True)
+    send(c, 0, 1.0, wave_complete=6)  # the failed incarnation reached wave 7
+    c.submit("a", None, object(), 0, now=2)
+    c.on_rank_dead(1, "NCCL timeout")
+    fx = c.take_effects()
+    assert isinstance(c.closed, GroupRecovering) and c.recovering
+    assert sorted(fx.forgets or []) == [(0, True), (1, True)]  # both RESYNCed
+    assert [type(err).__name__ for _, err in fx.ended or []] == ["GroupClosed"]
+    assert c.clock is not None and c.clock.wave == 0
+    with pytest.raises(GroupRecovering, match="waits for every rank"):
+        c.submit("b", None, object(), None, now=3)
+    assert send(c, 0, 3.0, wave_complete=50).effects is None  # stale: rank 0 is down
+    c.on_rank_up(0, 4.0, epoch=30, hello_wave=2)
+    assert c.recovering  # rank 1 is not back yet
+    c.on_rank_dead(0, "died again")  # a new incarnation dies while the group waits
+    assert c.take_effects().forgets == [(0, True)] and c.recovering
+    c.on_rank_up(0, 5.0, epoch=31, hello_wave=2)
+    c.on_rank_up(1, 5.0, epoch=32, hello_wave=3)
+    assert c.closed is None and c.recoveries == 1 and c.clock.wave == 3
+    assert c.submit("c", None, object(), 1, now=6).rank == 1
+
+
+def test_close_ends_a_recovery_for_good() -> None:
+    c = core(lockstep=True, recover=True)
+    c.on_rank_dead(1, "gone")
+    assert c.recovering
+    assert c.close("shutting down") is not None
+    assert type(c.closed) is GroupClosed and not c.recovering
+    c.on_rank_up(0, 1.0, epoch=40)
+    assert not c.is_up(0)
+    with pytest.raises(GroupClosed, match="shutting down"):
+        c.submit("a", None, object(), None, now=2)
+
+
+def test_without_recover_a_failed_lockstep_group_stays_closed() -> None:
+    c = core(lockstep=True)
+    c.on_rank_dead(1, "gone")
+    assert type(c.closed) is GroupClosed and not c.recovering
+    c.on_rank_up(0, 1.0, epoch=40)
+    c.on_rank_up(1, 1.0, epoch=41)
+    assert c.closed is not None and not c.is_up(0)
 
 
 def test_closing_aborts_every_live_request_in_messages_the_engine_accepts() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from zmqdp import GroupClosed, GroupRecovering, RankState
 from zmqdp.vllm import VllmGroup
 
 from .engines import EngineProcs, GroupHost, running_group
@@ -22,7 +23,7 @@ CYCLES = 50
 @pytest.fixture(scope="module")
 def moe(vllm_venv: Path, models: Path, engine_logs: Path) -> Iterator[GroupHost]:
     engines = EngineProcs(vllm_venv, models / "moe", 2, engine_logs / "moe", moe=True)
-    with running_group(engines, ready_timeout=400, moe=True) as host:
+    with running_group(engines, ready_timeout=400, moe=True, recover=True) as host:
         yield host
 
 
@@ -86,3 +87,49 @@ def test_burst_and_idle_cycles_never_hang(moe: GroupHost) -> None:
     assert group is not None
     stats = group.statistics()
     assert stats.protocol_errors == 0 and stats.failed == 0
+
+
+def test_a_dead_rank_fails_the_group_which_takes_a_restarted_group_back(moe: GroupHost) -> None:
+    """Rank 1's engine core is killed mid-request: the lockstep group fails whole, and
+    with `recover=True` it waits, refusing submits with `GroupRecovering`, its sockets
+    bound. The whole engine group is restarted (new processes, new HELLOs): the same
+    client takes it back and serves on both ranks, with a fresh wave clock."""
+    engines = moe.engines
+    outcome: dict[str, object] = {}
+
+    async def fail(group: VllmGroup) -> None:
+        r = request("dies-with-rank-1", 400, rank=1, eos=None)
+        try:
+            async with group.submit(r) as stream:
+                await stream.receive()
+                await trio.to_thread.run_sync(engines.kill_engine_core, 1)
+                async for _ in stream:
+                    pass
+        except Exception as exc:
+            outcome["error"] = exc
+        with trio.fail_after(10):
+            await group.rank_state(1).wait_value(RankState.DOWN)
+        outcome["closed"] = group.closed
+        try:
+            group.submit(request("refused", 2))
+        except GroupRecovering as exc:
+            outcome["refused"] = exc
+        outcome["health"] = group.health()
+
+    moe.run(fail, timeout=60)
+    assert isinstance(outcome["error"], Exception) and "rank 1" in str(outcome["error"])
+    assert isinstance(outcome["closed"], GroupRecovering), outcome
+    assert isinstance(outcome["refused"], GroupClosed), outcome
+    health = outcome["health"]
+    assert getattr(health, "live", False) and not getattr(health, "ready", True), health
+    engines.stop_all()
+    engines.start_all()
+
+    async def back(group: VllmGroup) -> list[Result]:
+        for rank in (0, 1):
+            await group.rank_state(rank).wait_value(RankState.UP)
+        assert group.closed is None
+        return [await collect(group, request(f"back-{r}", 6, rank=r, eos=None)) for r in (0, 1)]
+
+    results = moe.run(back, timeout=400)
+    assert [(r.rank, r.error, len(r.tokens)) for r in results] == [(0, None, 6), (1, None, 6)]
