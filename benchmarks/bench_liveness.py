@@ -138,24 +138,22 @@ async def run_case(wire: Wire, fault: str, busy: bool, reps: int) -> Tally:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 repetitions per case")
+    parser.add_argument("--quick", action="store_true", help="1 repetition per case")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--wire", choices=["native", "vllm"], action="append")
     parser.add_argument("--fault", choices=["kill", "stop"], action="append")
     parser.add_argument("--load", choices=["idle", "busy"], action="append")
     args = parser.parse_args()
-    reps = 3 if args.quick else args.reps
+    reps = 1 if args.quick else args.reps
     rows = []
     extra: dict[str, Any] = {}
-    n = 0
     for wire_name in args.wire or ["native", "vllm"]:
         for fault in args.fault or ["kill", "stop"]:
             for load in args.load or ["idle", "busy"]:
-                n += 1
                 tally = trio.run(run_case, Wire(wire_name), fault, load == "busy", reps)
                 worst = max(tally.times)
                 bound = BOUNDS[fault]
-                key = f"L{n}"
+                key = f"L{wire_name[0]}{fault[0]}{load[0]}"  # Lnki: native, kill, idle
                 lost = tally.survivors_lost
                 context = (
                     f"{reps} reps: median {statistics.median(tally.times):.3f} s, "

@@ -25,6 +25,7 @@ def test_every_benchmark_runs_and_reports_its_rows(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = out.read_text()
     gateway = ("G32t", "G256t", "G32a", "G256a")  # bench_gateway.py
-    for row in ("P1a", "P1b", "P2", "P3", "P4", "P5", "P6", "lat", "V1", *gateway):
+    liveness = ("Lnki", "Lnsb", "Lvki", "Lvsb")  # bench_liveness.py (of its 8)
+    for row in ("P1a", "P1b", "P2", "P3", "P4", "P5", "P6", "lat", "V1", *gateway, *liveness):
         assert f"| {row} |" in text and f"| {row} | (not run)" not in text, row
     assert len(list((tmp_path / "plots").glob("*.png"))) >= 5

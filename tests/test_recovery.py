@@ -146,3 +146,82 @@ async def test_vllm_moe_group_restarted_while_a_survivor_lingers() -> None:
         lingering.close()
         ctx.term()
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.timeout_s(60)
+async def test_vllm_moe_rolling_restart_rejoin_keeps_the_new_handshake() -> None:
+    """A replacement rank 0 says HELLO while the old one is still connected (hung): the
+    rejoin fails the lockstep group, but the handshake that HELLO started goes on, and
+    once rank 1 is replaced too, the group serves again (a rejoin must not forget the
+    incarnation that is joining)."""
+    d = tempfile.mkdtemp(prefix="zr", dir="/tmp")
+    url = f"ipc://{d}/hs"
+    try:
+        async with (
+            moe_fakes(url) as old,
+            zmqdp.vllm.connect(url, 2, moe=True, recover=True, ready_timeout=10) as group,
+        ):
+            await collect(group, vreq("warm", 2, rank=0))
+            assert old.nursery is not None
+            hung = old.engines[0]
+            hung.freeze()  # hung, its connections open
+            new0 = old.restart(0)
+            old.nursery.start_soon(new0.run)
+            with trio.fail_after(5):
+                await group.rank_state(0).wait_value(RankState.DOWN)
+            assert isinstance(group.closed, GroupRecovering)
+            old.engines[1].vanish()
+            new1 = old.restart(1)
+            old.nursery.start_soon(new1.run)
+            await back(group)
+            for rank in (0, 1):
+                assert len(await collect(group, vreq(f"after-{rank}", 2, rank=rank))) == 2
+            watch = group._transport._watch
+            open_connections = len(watch)
+            hung.vanish()  # the hung predecessor finally goes: nobody dies of it
+            with trio.fail_after(5):
+                await wait_until(lambda: len(watch) < open_connections)  # its close, read
+            assert group.rank_state(0).value is RankState.UP
+            assert group.statistics().connections_lost == 0
+            assert len(await collect(group, vreq("after-all", 2, rank=0))) == 2
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.timeout_s(60)
+async def test_vllm_predecessor_closing_during_the_replacements_handshake_kills_nobody() -> None:
+    """Dense group: rank 0's old engine is hung, its replacement says HELLO, and the old
+    one dies between that HELLO and the replacement's ready response (a real engine
+    loads its model in between). The old input connection is no longer rank 0's life:
+    the replacement comes up and serves."""
+    d = tempfile.mkdtemp(prefix="zr", dir="/tmp")
+    url = f"ipc://{d}/hs"
+    fake = FakeVllmGroup(url, 2)
+    try:
+        async with trio.open_nursery() as nursery:
+            fake.nursery = nursery
+            for engine in fake.engines:
+                nursery.start_soon(engine.run)
+            async with zmqdp.vllm.connect(url, 2, ready_timeout=10) as group:
+                await collect(group, vreq("warm", 2, rank=0))
+                old0 = fake.engines[0]
+                old0.freeze()
+                transport = group._transport
+                answer = transport._on_handshake_message
+
+                def then_kill_the_old_one(frames: list[bytes], fd: int) -> None:
+                    answer(frames, fd)
+                    if frames[0] == b"\0\0":  # the replacement's HELLO, answered
+                        old0.vanish()
+
+                transport._on_handshake_message = then_kill_the_old_one  # type: ignore[method-assign]
+                nursery.start_soon(fake.restart(0).run)
+                with trio.fail_after(10):
+                    await wait_until(lambda: old0.stopped.is_set())
+                    await group.rank_state(0).wait_value(RankState.UP)
+                assert len(await collect(group, vreq("after", 2, rank=0))) == 2
+                assert group.rank_state(0).value is RankState.UP
+            nursery.cancel_scope.cancel()
+    finally:
+        fake.close()
+        shutil.rmtree(d, ignore_errors=True)

@@ -374,10 +374,12 @@ class TransportBase:
 
     def _claim(self, fd: int, rank: int) -> None:
         """(The watched socket's owner.) A message of `rank`'s new incarnation came on
-        connection `fd`: the rank lives as long as this connection does."""
+        connection `fd`: the rank lives as long as this connection does (if that one
+        closed already, the rank is dead now)."""
         if fd >= 0:
             self._watch_connections()
-            self._watch.claim(fd, rank)
+            if not self._watch.claim(fd, rank):
+                self._connection_lost(rank)
 
     def _take(self, zs: ZSocket) -> list[tuple[list[bytes], int]]:
         """What `zs`'s owner has to read now, each message with its connection's fd
@@ -409,6 +411,10 @@ class TransportBase:
         log.warning("rank %d: %s", rank, cause)
         self.listener.connection_lost(rank, cause)
         self.forget(rank)  # at start-up there is no group yet: its handshake starts over
+        self._lost(rank)
+
+    def _lost(self, rank: int) -> None:
+        """A dialect's note that `rank`'s connection closed (for `HandshakeTimeout`)."""
 
     def forget(self, rank: int, *, resync: bool = True) -> None:
         raise NotImplementedError

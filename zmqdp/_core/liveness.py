@@ -48,14 +48,18 @@ class ConnectionWatch:
         if rank is not None:
             self._conns.setdefault(rank, set()).add(fd)
 
-    def claim(self, fd: int, rank: int) -> None:
+    def claim(self, fd: int, rank: int) -> bool:
         """A message of `rank`'s current incarnation arrived on `fd`: that connection
-        is the rank's, and only that one (natively, where its HELLO came). A connection
-        the monitor has not reported yet is taken as open."""
+        is the rank's, and only that one (natively, where its HELLO came). The caller
+        has read the monitor to its end, so every connection still open has been
+        reported: False if `fd` is not open any more (the engine sent the message and
+        then died, and the close was read first): the rank is dead already."""
         self.release(rank)  # an earlier incarnation's: their close is no death
-        self._drop(fd)
+        if fd not in self._owner:
+            return False
         self._owner[fd] = rank
         self._conns[rank] = {fd}
+        return True
 
     def release(self, rank: int) -> None:
         """`rank`'s incarnation ended (or a new one said HELLO): none of the connections

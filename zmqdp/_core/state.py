@@ -405,7 +405,7 @@ class GroupCore(Generic[H]):
                 )
             else:
                 reason = GroupClosed(f"the lockstep group failed: {dead}")
-            return self._fail_group(reason, dead_rank=rank, cause=cause)
+            return self._fail_group(reason, dead_rank=rank, cause=cause, rejoin=rejoin)
         ended = self.book.rank_down(rank, cause)
         self.counters.count(ended)
         return Failure(
@@ -422,8 +422,15 @@ class GroupCore(Generic[H]):
         return self._fail_group(GroupClosed(cause))
 
     def _fail_group(
-        self, reason: GroupClosed, *, dead_rank: int | None = None, cause: str = ""
+        self,
+        reason: GroupClosed,
+        *,
+        dead_rank: int | None = None,
+        cause: str = "",
+        rejoin: bool = False,
     ) -> Failure[H] | None:
+        """End every live request; `dead_rank` (if any) died of `cause`. A `rejoin`
+        (its HELLO again) keeps the handshake that HELLO started."""
         recovering = isinstance(reason, GroupRecovering)
         if self.closed is not None and (recovering or not self.recovering):
             return None  # closed already (a close ends a recovery, nothing else does)
@@ -456,7 +463,7 @@ class GroupCore(Generic[H]):
                 for rank, wids in by_rank.items()
                 for frames in self._abort_frames(rank, wids)
             ],
-            forget=dead_rank,
+            forget=None if rejoin else dead_rank,
             resync=recovering,
             also_forget=tuple(r for r in range(self.size) if up[r]) if recovering else (),
             closed=reason,
@@ -973,6 +980,10 @@ class GroupCore(Generic[H]):
         `max_num_seqs` of its handshake `info`)."""
         if self.closed is not None and not self.recovering:
             return
+        if self.is_up(rank):  # its predecessor's end (a closed connection) is not judged yet
+            self.on_rank_dead(rank, "a new incarnation completed its handshake: this one is gone")
+            if self.closed is not None and not self.recovering:
+                return
         self.rank_up(
             rank, now, epoch=epoch, hello_wave=hello_wave, max_message_size=max_message_size
         )
@@ -1053,6 +1064,7 @@ class GroupCore(Generic[H]):
             fx.forget(failure.forget, failure.resync)
         for rank in failure.also_forget:
             self._drop_held(rank)
+            fx.drop(rank)  # what is queued for it belongs to the failed incarnation
             fx.forget(rank, True)
         if failure.rank is not None:
             fx.fail_calls(failure.rank, EngineDead(failure.rank, failure.cause))

@@ -165,7 +165,11 @@ class GatewayCollector(Collector):
         )
 
     def _group_health(self, health: GroupHealth) -> Iterator[Metric]:
-        yield _gauge("zmqdp_group_live", "1 while the group serves (not closed).", health.live)
+        yield _gauge(
+            "zmqdp_group_live",
+            "1 while the group serves or recovers (not closed for good).",
+            health.live,
+        )
         yield _gauge("zmqdp_group_ready", "1 when the group takes requests.", health.ready)
         yield _gauge("zmqdp_group_draining", "1 while the group drains.", health.draining)
         yield _gauge("zmqdp_group_ranks_up", "Ranks up.", health.ranks_up)

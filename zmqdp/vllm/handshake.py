@@ -53,6 +53,8 @@ class _Rank:
     hellos: int = 0
     rejected: str | None = None
     version: str | None = None
+    lost: str | None = None
+    """Why its last incarnation ended, if its connection closed (for `missing`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +165,13 @@ class VllmHandshake:
             return rank
         return None
 
-    def forget(self, rank: int) -> None:
-        """The rank is dead: it is up again only after a new HELLO."""
+    def forget(self, rank: int, why: str | None = None) -> None:
+        """The rank is dead (`why`, if its connection closed): it is up again only
+        after a new HELLO."""
         r = self.ranks[rank]
         r.step, r.ready, r.response = _Step.NEW, None, None
+        if why is not None:
+            r.lost = why
 
     def is_up(self, rank: int) -> bool:
         return self.ranks[rank].step is _Step.UP
@@ -182,6 +187,8 @@ class VllmHandshake:
                 continue
             if r.rejected is not None:
                 out[rank] = r.rejected
+            elif r.step is _Step.NEW and r.lost is not None:
+                out[rank] = f"{r.step.value} since {r.lost}"
             elif r.step is _Step.NEW:
                 out[rank] = r.step.value
             elif r.ready is None and r.response is None:

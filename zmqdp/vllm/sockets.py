@@ -265,6 +265,9 @@ class VllmTransport(TransportBase):
         self._watch.release(rank)
         self._output_watches[rank][1].release(rank)
 
+    def _lost(self, rank: int) -> None:
+        self.state.forget(rank, "its connection closed after its HELLO (the engine died)")
+
     def _begin(self, rank: int) -> None:
         """A new incarnation of `rank`: the connections its output socket has now are
         its predecessors'; the ones accepted from now on are its own."""
@@ -330,6 +333,9 @@ class VllmTransport(TransportBase):
             if verdict.rejoin:
                 log.warning("rank %d: HELLO again: its previous incarnation is dead", verdict.rank)
                 self.listener.rejoin(verdict.rank)
+            # Its life is the input connection its ready response will claim: the
+            # predecessor's closing (it may, any time now) is no longer this rank's death.
+            self._watch.release(verdict.rank)
             if self._gating:
                 # The dispatcher answers, once it has read the rank's connection
                 # monitor: connections accepted before that are a previous
