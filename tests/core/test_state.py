@@ -319,6 +319,18 @@ def test_a_recovering_lockstep_group_waits_for_every_rank_then_serves() -> None:
     assert c.submit("c", None, object(), 1, now=6).rank == 1
 
 
+def test_a_new_incarnation_of_a_rank_still_up_ends_the_old_ones_requests() -> None:
+    """The transport may finish a new handshake before the core has judged the old
+    incarnation's closed connection: its requests must not wait for outputs nobody
+    will send."""
+    c = core()
+    c.submit("a", None, object(), 0, now=0)
+    c.on_rank_up(0, 1.0, epoch=99)
+    fx = c.take_effects()
+    assert [type(err).__name__ for _, err in fx.ended or []] == ["EngineDead"]
+    assert c.is_up(0) and c.health[0].epoch == 99 and not len(c.book)
+
+
 def test_close_ends_a_recovery_for_good() -> None:
     c = core(lockstep=True, recover=True)
     c.on_rank_dead(1, "gone")
