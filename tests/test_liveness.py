@@ -22,7 +22,7 @@ from zmqdp import EngineDead, RankState
 
 from .fakes.processes import WIRES, Wire, ranks
 
-HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 0.6}
+HEARTBEAT = {"heartbeat_interval": 0.25, "heartbeat_timeout": 1.5}
 BOUND = 5.0
 """Seconds any death must be seen within here: far below `silence_timeout` (30 s)."""
 

@@ -670,7 +670,6 @@ class GroupTransport(TransportBase):
             self.output = self._router(
                 "output", self.address.output, max_message_size, safety_timeout
             )
-            self._watch_socket(self.handshake)  # engines keep it for life: RESYNC comes on it
             self._bound = True
         except BaseException:
             self._close_sockets()
@@ -704,6 +703,9 @@ class GroupTransport(TransportBase):
         sock.setsockopt(zmq.RCVHWM, hwm)
         if name == "handshake":  # the watched socket (its queue holds a few messages)
             heartbeat(sock, self.heartbeat_interval, self.heartbeat_timeout)
+            # Engines keep it for life (RESYNC comes on it). Its monitor starts before
+            # it binds, so that no connection (an engine started first) goes unreported.
+            self._watch_socket(self._sockets[-1])
         else:
             handshake_deadline(sock, self.heartbeat_timeout)
         if self.address.ipv6:

@@ -159,11 +159,10 @@ class VllmTransport(TransportBase):
         self.coordinator: ZSocket | None = None
         try:
             self.handshake = self._bind(zmq.ROUTER, url)
+            # The watched socket: each rank's ready response comes on it, and claims it.
             self.input = self._bind(zmq.ROUTER, _sibling(url, "input"), watched=True)
-            self._watch_socket(self.input)  # where each rank's ready response comes
+            self._output_watches: list[tuple[Monitor, ConnectionWatch]] = []
             self.outputs = [self._bind(zmq.PULL, _sibling(url, f"output{r}")) for r in range(size)]
-            self._output_watches = [(Monitor(zs.sock), ConnectionWatch()) for zs in self.outputs]
-            self._monitors += [monitor for monitor, _ in self._output_watches]
             if lockstep:
                 self.coordinator = self._bind(zmq.XPUB, _sibling(url, "coordinator"))
         except BaseException:
@@ -234,6 +233,11 @@ class VllmTransport(TransportBase):
             # A frame past it drops the peer's connection (libzmq): one engine cannot
             # make the client hold an arbitrarily large message.
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
+        if watched:
+            self._watch_socket(zs)  # before it binds: no connection goes unreported
+        if kind == zmq.PULL:  # a rank's output socket: the dispatcher reads its monitor
+            self._output_watches.append((Monitor(sock), ConnectionWatch()))
+            self._monitors.append(self._output_watches[-1][0])
         sock.bind(address)
         return zs
 
