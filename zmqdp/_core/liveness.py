@@ -43,7 +43,7 @@ class ConnectionWatch:
     def accepted(self, fd: int, rank: int | None = None) -> None:
         """A connection was accepted on `fd`; `rank`: it is one more connection of that
         rank's current incarnation (vLLM: the rank's own socket, after its HELLO)."""
-        self._drop(fd)  # an fd reused without its close reported (monitor overflow)
+        self._drop(fd)  # defensive: libzmq reports a close before the fd is reused
         self._owner[fd] = rank
         if rank is not None:
             self._conns.setdefault(rank, set()).add(fd)
