@@ -181,15 +181,18 @@ async def test_an_allowed_key_claiming_another_ranks_identity_on_the_output_sock
         out.close()
 
 
-def test_a_tcp_url_other_machines_can_reach_needs_keys_or_insecure(
-    keys: tuple[ClientKeys, list[EngineKeys]],
-) -> None:
+def test_a_tcp_url_needs_keys_or_insecure(keys: tuple[ClientKeys, list[EngineKeys]]) -> None:
+    """Loopback too (issue 24 #3): every local user can reach it, while an ipc URL's
+    directory admits only this user."""
     for url in ("tcp://0.0.0.0:*", "tcp://192.0.2.1:5555", "tcp://example.com:5555"):
-        with pytest.raises(ValueError, match="insecure=True"):
+        with pytest.raises(ValueError, match=r"other machines.*insecure=True"):
             GroupTransport(url, 1, advertise_host="127.0.0.1")
+    for url in ("tcp://127.0.0.1:*", "tcp://[::1]:*", "tcp://localhost:*"):
+        with pytest.raises(ValueError, match=r"every local user.*insecure=True"):
+            GroupTransport(url, 1)
     for url, kw in [
-        ("tcp://127.0.0.1:*", {}),
-        ("tcp://[::1]:*", {}),
+        ("tcp://127.0.0.1:*", {"insecure": True}),
+        ("tcp://[::1]:*", {"curve": keys[0]}),
         ("tcp://0.0.0.0:*", {"insecure": True}),
         ("tcp://0.0.0.0:*", {"curve": keys[0]}),
     ]:

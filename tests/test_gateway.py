@@ -58,12 +58,15 @@ FAST_MOCK = MockConfig(engines=2, step_time=0.002)
 
 
 @asynccontextmanager
-async def serving(app: GatewayApp) -> AsyncIterator[httpx.AsyncClient]:
+async def serving(app: GatewayApp, **config_options: Any) -> AsyncIterator[httpx.AsyncClient]:
     """`app` on hypercorn's trio worker on 127.0.0.1:0, and a client of it. The server
-    stops (lifespan shutdown: drain and close) when the block ends."""
+    stops (lifespan shutdown: drain and close) when the block ends. `config_options` set
+    attributes of hypercorn's `Config` (`keep_alive_timeout`...)."""
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 2.0
+    for name, value in config_options.items():
+        setattr(config, name, value)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, app, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
@@ -74,16 +77,17 @@ async def serving(app: GatewayApp) -> AsyncIterator[httpx.AsyncClient]:
 
 @asynccontextmanager
 async def scripted(
-    tmp_path: Path, n: int = 1, **kw: Any
+    tmp_path: Path, n: int = 1, *, config: dict[str, Any] | None = None, **kw: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, GatewayApp, list[TokenEngine]]]:
-    """A gateway over `n` `TokenEngine`s (`ScriptDialect`); `kw` go to `create_app`."""
+    """A gateway over `n` `TokenEngine`s (`ScriptDialect`); `kw` go to `create_app`,
+    `config` to `serving`."""
     url = f"ipc://{tmp_path}/g"
     async with trio.open_nursery() as nursery:
         engines = [TokenEngine(url, r, n) for r in range(n)]
         for engine in engines:
             nursery.start_soon(engine.run)
         app = create_app(url, n, dialect=ScriptDialect(), ready_timeout=READY_TIMEOUT, **kw)
-        async with serving(app) as client:
+        async with serving(app, **(config or {})) as client:
             yield client, app, engines
         nursery.cancel_scope.cancel()
 

@@ -382,7 +382,13 @@ async def test_two_processes_claiming_one_rank_are_reported_once(
             for _ in range(2):  # a second, then a third process says it is rank 1
                 await nursery.start(ScriptedEngine(url, 1, 2).run)
                 await group.rank_state(1).wait_value(RankState.UP)
-            assert group.statistics().identity_conflicts == 1
+            # each newcomer said HELLO while the previous process was still connected
+            # (2, issue 24 #2), and the three HELLOs in a row are one episode (1)
+            assert group.statistics().identity_conflicts == 3
             reports = [r for r in caplog.records if "claiming rank 1" in r.getMessage()]
             assert len(reports) == 1 and reports[0].levelno == logging.ERROR
+            seconds = [
+                r for r in caplog.records if "a second process runs as rank 1" in r.getMessage()
+            ]
+            assert len(seconds) == 2
         nursery.cancel_scope.cancel()

@@ -128,7 +128,7 @@ def test_force_replaces_keys_and_drops_stale_ranks(keydir: Path) -> None:
 
 @pytest.mark.parametrize("engines", [0, -1, 65537, True, 1.5])
 def test_generate_rejects_bad_engine_count(tmp_path: Path, engines: Any) -> None:
-    with pytest.raises(ValueError, match="engines"):
+    with pytest.raises((ValueError, TypeError), match="engines must be"):
         generate_keys(tmp_path, engines)
     assert list(tmp_path.iterdir()) == []
 
@@ -148,6 +148,35 @@ def test_refuses_secret_readable_by_others(keydir: Path, secret_mode: int) -> No
             load()
         path.chmod(0o600)
         load()
+
+
+@pytest.mark.parametrize("public_mode", [0o666, 0o664, 0o646, 0o620])
+def test_refuses_public_key_others_can_write(keydir: Path, public_mode: int) -> None:
+    """An allow-list entry (or the engine's copy of the client key) that group or others
+    can write would let them add a rank or impersonate the client (issue 24 #4)."""
+    loaders: list[tuple[Path, Callable[[], object]]] = [
+        (keydir / "rank-1.key", lambda: load_client_keys(keydir)),
+        (keydir / "client.key", lambda: load_engine_keys(keydir, 1)),
+    ]
+    for path, load in loaders:
+        path.chmod(public_mode)
+        with pytest.raises(PermissionError, match=re.escape(f"chmod go-w {path}")):
+            load()
+        path.chmod(0o644)
+        load()
+
+
+@pytest.mark.parametrize("dir_mode", [0o777, 0o775, 0o757, 0o1777])
+def test_refuses_key_directory_others_can_write(keydir: Path, dir_mode: int) -> None:
+    keydir.chmod(dir_mode)
+    try:
+        for load in (lambda: load_client_keys(keydir), lambda: load_engine_keys(keydir, 0)):
+            with pytest.raises(PermissionError, match="writable by group/others"):
+                load()
+    finally:
+        keydir.chmod(0o755)
+    load_client_keys(keydir)
+    load_engine_keys(keydir, 0)
 
 
 def test_missing_files(keydir: Path, tmp_path: Path) -> None:

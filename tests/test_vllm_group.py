@@ -490,9 +490,14 @@ async def test_parallel_config_hash_mismatch_names_the_rank() -> None:
     assert "parallel_config_hash 'other-hash' differs from 'fake-hash'" in info.value.missing[1]
 
 
-async def test_a_url_other_machines_can_reach_needs_insecure() -> None:
-    with pytest.raises(ValueError, match=r"no authentication.*insecure=True"):
-        async with zmqdp.vllm.connect("tcp://0.0.0.0:0", 1, ready_timeout=0.1):
+@pytest.mark.parametrize(
+    ("url", "who"), [("tcp://0.0.0.0:0", "other machines"), ("tcp://127.0.0.1:0", "every local")]
+)
+async def test_a_tcp_url_needs_insecure(url: str, who: str) -> None:
+    """Loopback too (issue 24 #3): vLLM's wire has no keys, and every local user can
+    connect to a loopback port."""
+    with pytest.raises(ValueError, match=rf"{who}.*no authentication.*insecure=True"):
+        async with zmqdp.vllm.connect(url, 1, ready_timeout=0.1):
             pass  # pragma: no cover
 
 
@@ -501,6 +506,29 @@ async def test_every_receiving_socket_bounds_its_frames() -> None:
         transport = group._transport
         for zs in (*transport.outputs, transport.input, transport.handshake):
             assert zs.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+
+
+async def test_an_output_over_max_message_size_fails_its_rank_instead_of_hanging() -> None:
+    """libzmq drops a frame over `max_message_size` with the connection, and vLLM's PUSH
+    reconnects: the requests of that rank used to wait forever (issue 24 #1). The close
+    of the rank's output connection is now its connection error; the other rank serves
+    on."""
+    async with vllm_group(2, max_message_size=1 << 16) as (group, fake):
+        async with (
+            group.submit(req("a", max_tokens=10**9, rank=0)) as sa,
+            group.submit(req("b", max_tokens=10**9, rank=1)) as sb,
+        ):
+            await sa.receive()
+            await sb.receive()
+            fake.engines[1].send_raw([b"x" * (1 << 17)])
+            with pytest.raises(EngineDead, match="max_message_size=65536") as info:
+                async for _ in sb:
+                    pass
+            assert info.value.rank == 1 and info.value.request_id == "b"
+            for _ in range(3):
+                await sa.receive()
+        assert group.statistics().connections_lost == 1
+        assert group.rank_state(0).value is RankState.UP
 
 
 async def test_the_old_spelling_still_connects_and_warns() -> None:

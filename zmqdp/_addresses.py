@@ -12,8 +12,9 @@ first one's sockets); the group removes its socket files when it closes.
 For `tcp://H:PORT` the handshake binds there and input/output bind on OS-chosen ports
 of the same host. A wildcard host (`*`, `0.0.0.0`, `::`) cannot be advertised, so it
 needs an explicit `advertise_host`. A host other than the loopback interface is reachable
-from other machines: `GroupAddress.loopback` says which, and the transport refuses such a
-URL without CURVE keys unless the caller says `insecure=True`.
+from other machines (`GroupAddress.loopback` says which), and a loopback port by every
+local user, so the transport refuses any tcp URL without CURVE keys unless the caller
+says `insecure=True`.
 """
 
 from __future__ import annotations

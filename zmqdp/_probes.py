@@ -90,4 +90,5 @@ def group_statistics(
         refused_connections=t.refused_connections,
         impersonations=t.impersonations,
         connections_lost=t.connections_lost,
+        routes_restored=t.routes_restored,
     )

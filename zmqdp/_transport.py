@@ -96,6 +96,7 @@ from ._zmq import (
     handshake_deadline,
     heartbeat,
     is_unreachable,
+    shutdown_connection,
 )
 from .values import ConnectOptions, Request
 
@@ -211,6 +212,9 @@ class TransportStatistics:
     stale_messages: int
     """vLLM: output messages dropped because they came on a connection of a previous
     incarnation of their rank (a lingering engine the rank's new one replaced)."""
+    routes_restored: int = 0
+    """Natively: times the client ended connections of a displaced engine of a rank
+    (`ROUTER_HANDOVER` had cut it off) so that it reconnects and hears its RESYNC."""
 
 
 class Transport(Protocol):
@@ -280,6 +284,24 @@ NATIVE: GroupDialect[Request] = GroupDialect(NativeWire(), _open_native)
 """zmqdp's own protocol (docs/protocol.md): `EngineGroup.connect`'s dialect."""
 
 
+UNANSWERED_RESYNCS = 3
+"""RESYNCs that reach a rank's identity without a HELLO in answer before the client ends
+the displaced connections of earlier engines of the rank (`_restore_route`)."""
+
+OUTPUT_LOST = (
+    "its output connection closed, so outputs it sent may be lost: the engine exited, "
+    "or sent a message over max_message_size={} bytes (libzmq drops the message with "
+    "the connection, and the engine reconnects)"
+)
+"""The cause of a rank whose output connection closed (a template of the size)."""
+
+OUTPUT_TAKEN = (
+    "another connection took its identity on the output socket while its own was open "
+    "(ROUTER_HANDOVER: a second process runs as this rank, or its key was replayed), so "
+    "what the engine sends is dropped"
+)
+
+
 class TransportBase:
     """What every transport shares, whatever its wire: the input ROUTER and its owner
     task, sends, the handshake loop, handshake answers, waiting for the ranks, the
@@ -328,6 +350,13 @@ class TransportBase:
         self.nursery = None  # set by the opener
         self._connections_lost = 0
         self._watch = ConnectionWatch()
+        self._history: dict[int, set[int]] = {}
+        """Rank -> open connections of the watched socket it ever claimed (a displaced
+        one may be a live engine that `ROUTER_HANDOVER` cut off: `_restore_route`)."""
+        self._unanswered: dict[int, int] = {}
+        """Rank -> routable RESYNCs since its last HELLO."""
+        self._duplicates = 0
+        self._routes_restored = 0
 
     # -- sending (any task) -----------------------------------------------------------
 
@@ -369,7 +398,10 @@ class TransportBase:
             for event, fd in events:
                 if event == ACCEPTED:
                     self._watch.accepted(fd)
-                elif (rank := self._watch.disconnected(fd)) is not None:
+                    continue
+                for fds in self._history.values():
+                    fds.discard(fd)
+                if (rank := self._watch.disconnected(fd)) is not None:
                     self._connection_lost(rank)
 
     def _claim(self, fd: int, rank: int) -> None:
@@ -378,8 +410,47 @@ class TransportBase:
         closed already, the rank is dead now)."""
         if fd >= 0:
             self._watch_connections()
+            if self._watch.connections(rank) - {fd}:
+                self._duplicates += 1
+                log.error(
+                    "rank %d: a new engine process said HELLO while the connection of the "
+                    "current one is still open: a second process runs as rank %d (a copied "
+                    "key pair or a replayed one, or a mistake in deployment), or the previous "
+                    "one is stopped or hung; the newcomer takes the rank, and the other is "
+                    "RESYNCed once it is needed again (statistics().identity_conflicts)",
+                    rank,
+                    rank,
+                )
+            self._unanswered.pop(rank, None)
             if not self._watch.claim(fd, rank):
                 self._connection_lost(rank)
+            else:
+                self._history.setdefault(rank, set()).add(fd)
+
+    def _restore_route(self, rank: int, why: str) -> None:
+        """(The watched socket's owner.) A RESYNC for `rank` found no route, or no
+        answer: an engine of the rank that `ROUTER_HANDOVER` displaced (a duplicate or
+        a replayed key took its identity, and then left or sits idle) keeps a connection
+        libzmq will neither close nor route to, so it never hears anything again. End
+        those connections: its DEALER reconnects, takes the identity back (the newest
+        connection wins) and the next RESYNC reaches it."""
+        self._watch_connections()
+        ended = [
+            fd
+            for fd in sorted(self._history.get(rank, ()))
+            if fd in self._watch and self._watch.owner(fd) is None and shutdown_connection(fd)
+        ]
+        if ended:
+            self._routes_restored += 1
+            self._logs.log(
+                logging.WARNING,
+                "route",
+                "rank %d: %s; ended %d displaced connection(s) of an earlier engine of the "
+                "rank (ROUTER_HANDOVER had cut it off), so that it reconnects",
+                rank,
+                why,
+                len(ended),
+            )
 
     def _take(self, zs: ZSocket) -> list[tuple[list[bytes], int]]:
         """What `zs`'s owner has to read now, each message with its connection's fd
@@ -402,12 +473,14 @@ class TransportBase:
         self._monitor = Monitor(zs.sock)
         self._monitors.append(self._monitor)
 
-    def _connection_lost(self, rank: int) -> None:
+    def _connection_lost(self, rank: int, cause: str | None = None) -> None:
         self._connections_lost += 1
-        cause = (
-            "its connection closed: the engine exited, was killed or restarted, or sent "
-            f"nothing, not even a heartbeat, for heartbeat_timeout={self.heartbeat_timeout:g} s"
-        )
+        if cause is None:
+            cause = (
+                "its connection closed: the engine exited, was killed or restarted, or sent "
+                "nothing, not even a heartbeat, for "
+                f"heartbeat_timeout={self.heartbeat_timeout:g} s"
+            )
         log.warning("rank %d: %s", rank, cause)
         self.listener.connection_lost(rank, cause)
         self.forget(rank)  # at start-up there is no group yet: its handshake starts over
@@ -542,7 +615,16 @@ class TransportBase:
             await self.ranks_changed.wait()
 
     def timeout_error(self, timeout: float) -> HandshakeTimeout:
-        return HandshakeTimeout(self.state.missing(), list(self.state.rejected), timeout)
+        missing = self.state.missing()
+        for rank, why in missing.items():
+            explained = self._explain_missing(rank)
+            if explained is not None:
+                missing[rank] = f"{why}; {explained}"
+        return HandshakeTimeout(missing, list(self.state.rejected), timeout)
+
+    def _explain_missing(self, rank: int) -> str | None:
+        """What the dialect saw that may explain why `rank` never joined."""
+        return None
 
     def _counters(self) -> dict[str, int]:
         """The dialect's own counters of `TransportStatistics` (0 where it has none)."""
@@ -566,6 +648,7 @@ class TransportBase:
             impersonations=extra.get("impersonations", 0),
             connections_lost=self._connections_lost,
             stale_messages=self.output.dropped if isinstance(self.output, ZSocketSet) else 0,
+            routes_restored=extra.get("routes_restored", 0),
         )
 
     def _close_sockets(self) -> None:
@@ -634,17 +717,20 @@ class GroupTransport(TransportBase):
     ) -> None:
         self.url = url
         self.size = size
+        self._max_message_size = max_message_size
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self._monitors = []
         self.address: GroupAddress = parse_group_url(url, advertise_host)
-        if not self.address.loopback and curve is None and not insecure:
+        if self.address.transport == "tcp" and curve is None and not insecure:
+            reach = "other machines" if not self.address.loopback else "every local user"
             raise ValueError(
-                f"group URL {url!r} can be reached from other machines, and without "
+                f"group URL {url!r} can be reached by {reach}, and without "
                 "authentication anyone who connects can claim a rank, read its requests "
                 "and inject outputs. Give the client CURVE keys (curve=load_client_keys"
-                "(DIR), keys made by `python -m zmqdp keys DIR --engines N`), or pass "
-                "insecure=True if the network is trusted"
+                "(DIR), keys made by `python -m zmqdp keys DIR --engines N`), use an ipc:// "
+                "URL (its directory admits only this user), or pass insecure=True if "
+                "everyone who can reach it is trusted"
             )
         self.curve = curve
         self.zap: ZapPolicy | None = None if curve is None else ZapPolicy(curve.rank_of)
@@ -667,9 +753,7 @@ class GroupTransport(TransportBase):
                 "handshake", self.address.handshake, max_message_size, safety_timeout
             )
             self.input = self._router("input", self.address.input, max_message_size, safety_timeout)
-            self.output = self._router(
-                "output", self.address.output, max_message_size, safety_timeout
-            )
+            output = self._router("output", self.address.output, max_message_size, safety_timeout)
             self._bound = True
         except BaseException:
             self._close_sockets()
@@ -677,7 +761,11 @@ class GroupTransport(TransportBase):
         self.handshake_address = self.address.advertised(self._endpoint(self.handshake))
         """Where engines connect (for tcp://H:* the port the OS chose)."""
         self.input_address = self.address.advertised(self._endpoint(self.input))
-        self.output_address = self.address.advertised(self._endpoint(self.output))
+        self.output_address = self.address.advertised(self._endpoint(output))
+        # The dispatcher reads the output socket with its monitor (`_output_gate`).
+        self._output_watch = ConnectionWatch()
+        self._output_before: dict[int, set[int]] = {}
+        self.output = ZSocketSet([output], gate=self._output_gate, extra=[self._output_monitor.zs])
         self.state = HandshakeState(
             size,
             self.input_address,
@@ -708,6 +796,9 @@ class GroupTransport(TransportBase):
             self._watch_socket(self._sockets[-1])
         else:
             handshake_deadline(sock, self.heartbeat_timeout)
+        if name == "output":  # read by the dispatcher (`_output_gate`), also from before bind
+            self._output_monitor = Monitor(sock)
+            self._monitors.append(self._output_monitor)
         if self.address.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         if self.curve is not None:
@@ -717,6 +808,9 @@ class GroupTransport(TransportBase):
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.bind(address)
         return self._sockets[-1]
+
+    def _explain_missing(self, rank: int) -> str | None:
+        return None if self.binding is None else self.binding.explain(rank)
 
     def _admit(self, socket: str, identity: bytes, user_id: str | None) -> bool:
         """CURVE: keep a message only if its routing id is its key's rank."""
@@ -769,8 +863,64 @@ class GroupTransport(TransportBase):
         at once and then about once a second until it says HELLO (§2.5)."""
         self.state.forget(rank, resync=resync)
         self._watch.release(rank)
+        self._output_watch.release(rank)
         if resync:
             self.handshake.kick()
+
+    # -- liveness: the output socket (the dispatcher reads it) -------------------------
+    #
+    # A rank's output connection is the newest one that delivered a message with the
+    # rank's identity since its latest accepted HELLO (connections open at that HELLO are
+    # a predecessor's). When it closes, outputs may have been lost with it: libzmq drops
+    # the connection of a message over max_message_size, and the engine's DEALER
+    # reconnects as if nothing happened. So its close is a connection error of the rank
+    # (§8.5), and nothing waits for an output that will never come. Messages are read
+    # with their source fd only while some open connection is nobody's (until each
+    # rank's first message after its HELLO): the common case stays on the fast path.
+
+    def _output_begin(self, rank: int) -> None:
+        """(Handshake task.) A new incarnation of `rank`: the output connections open now
+        are its predecessors', never its own."""
+        self._output_watch.release(rank)
+        self._output_before[rank] = self._output_watch.open_fds()
+
+    def _output_gate(self, _member: int) -> Callable[[int, list[bytes]], bool] | None:
+        """(Dispatcher, before each drain of the output socket.) Read its monitor; a
+        rank whose output connection closed is lost."""
+        watch = self._output_watch
+        while events := self._output_monitor.events():
+            for event, fd in events:
+                if event == ACCEPTED:
+                    watch.accepted(fd)
+                    continue
+                for before in self._output_before.values():
+                    before.discard(fd)
+                if (rank := watch.disconnected(fd)) is not None:
+                    self._connection_lost(rank, OUTPUT_LOST.format(self._max_message_size))
+        return self._output_claim if watch.strays() else None
+
+    def _output_claim(self, fd: int, frames: list[bytes]) -> bool:
+        """Keep every message (the core judges it); claim its connection for the rank
+        its identity names, unless that connection predates the rank's HELLO. A second
+        connection delivering for a rank whose claimed one is still open took the
+        rank's identity (`ROUTER_HANDOVER`: a second process, a replayed key): what the
+        engine sends on the first is dropped by libzmq from now on, so that is a
+        connection error of the rank too, and its RESYNC makes the engine reconnect."""
+        rank = identity_rank(frames[0])
+        watch = self._output_watch
+        if (
+            rank is None
+            or rank >= self.size
+            or watch.owner(fd) == rank
+            or fd not in watch
+            or fd in self._output_before.get(rank, ())
+        ):
+            return True
+        if watch.connections(rank):
+            self._connection_lost(rank, OUTPUT_TAKEN)
+        else:
+            watch.claim(fd, rank)
+        return True
 
     def _resync(self, now: float) -> float:
         """RESYNC every rank the group waits for that is due (§2.5); a RESYNC to an
@@ -780,8 +930,15 @@ class GroupTransport(TransportBase):
             try:
                 if zs.send_nowait([rank_identity(rank), self._resync_body]):
                     self._resyncs += 1
+                    unanswered = self._unanswered[rank] = self._unanswered.get(rank, 0) + 1
+                    if unanswered >= UNANSWERED_RESYNCS:
+                        # Routable, yet nobody answers: whoever holds the rank's identity
+                        # is not a live engine of ours (an idle intruder, a zombie)
+                        self._unanswered[rank] = 0
+                        self._restore_route(rank, f"{unanswered} RESYNCs got no HELLO")
             except zmq.ZMQError:
-                pass  # not connected (yet): the next RESYNC may find it
+                # Not connected (yet): the next RESYNC may find it. Or displaced.
+                self._restore_route(rank, "its RESYNC found no route")
         next_at: float = self.state.next_resync()
         return next_at
 
@@ -856,6 +1013,7 @@ class GroupTransport(TransportBase):
             log.info("rank %d: HELLO accepted", verdict.rank)
         if isinstance(verdict.reply, Init) and verdict.rank is not None:
             self._claim(fd, verdict.rank)  # its life is this connection's
+            self._output_begin(verdict.rank)
         if isinstance(verdict.reply, Reject):
             self._logs.log(
                 logging.WARNING,
@@ -915,7 +1073,8 @@ class GroupTransport(TransportBase):
         return {
             "stale_registers": self.state.stale_registers,
             "resyncs": self._resyncs,
-            "identity_conflicts": self.state.identity_conflicts,
+            "identity_conflicts": self.state.identity_conflicts + self._duplicates,
+            "routes_restored": self._routes_restored,
             "refused_connections": 0 if self.zap is None else self.zap.refused,
             "impersonations": 0 if self.binding is None else self.binding.impersonations,
         }

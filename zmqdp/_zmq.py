@@ -58,7 +58,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import select
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -76,6 +78,7 @@ __all__ = [
     "ZSocketStatistics",
     "handshake_deadline",
     "heartbeat",
+    "shutdown_connection",
 ]
 
 POLLIN = int(zmq.POLLIN)
@@ -423,10 +426,10 @@ async def wait_any(members: Sequence[ZSocket], fds: _Fds) -> None:
             first._fallbacks += 1
 
 
-Gate = Callable[[int], Callable[[int], bool] | None]
+Gate = Callable[[int], Callable[[int, list[bytes]], bool] | None]
 """`gate(i)`, called before each drain of member `i`: does what must come first (read
 the member's connection monitor) and returns None (take every message) or a predicate
-on the fd each message came on (keep it?)."""
+on the fd each message came on and its frames (keep it?)."""
 
 
 class ZSocketSet:
@@ -485,7 +488,7 @@ class ZSocketSet:
                 got = members[i].receive_nowait(limit - len(out))
             else:
                 sourced = members[i].receive_nowait_sourced(limit - len(out))
-                got = [frames for frames, fd in sourced if keep(fd)]
+                got = [frames for frames, fd in sourced if keep(fd, frames)]
                 self.dropped += len(sourced) - len(got)
             if got:
                 if mark is not None:
@@ -607,3 +610,23 @@ def handshake_deadline(sock: zmq.Socket[bytes], timeout: float) -> None:
 def is_unreachable(exc: zmq.ZMQError) -> bool:
     """True if a ROUTER_MANDATORY send failed because the peer is not connected."""
     return exc.errno == errno.EHOSTUNREACH
+
+
+def shutdown_connection(fd: int) -> bool:
+    """End the connection libzmq serves on `fd` (from a monitor event or `ZMQ_SRCFD`):
+    `shutdown(2)` on a duplicate of it, so libzmq reads end-of-stream and closes the
+    connection the usual way (a DISCONNECTED event follows), while libzmq alone closes
+    the fd itself. For a connection `ROUTER_HANDOVER` displaced: libzmq keeps it open
+    with no route, so the peer never notices and never reconnects. Returns False if the
+    fd was not a socket any more. The caller has read the monitor to its end first, so
+    `fd` is not a number libzmq closed and reused."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        with socket.socket(fileno=dup) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
+    return True

@@ -160,6 +160,7 @@ class AsyncioRequestStream(RequestStream):
 
     async def _wait(self) -> None:
         """Wait until an output is buffered or the request ended."""
+        self._check_thread()
         busy = f"request {self.request_id!r}: another task is already reading this stream"
         if self._future is not None:
             raise trio.BusyResourceError(busy)

@@ -45,8 +45,10 @@ request to its rank (if up) before the sockets close.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -80,6 +82,7 @@ from .values import (
     RankStatistics,
     Request,
     WatchedValue,
+    check_engines,
 )
 
 __all__ = [  # the value types too: their old home, so old imports keep working
@@ -118,6 +121,8 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
     ) -> None:
         self._transport = transport
         self._core = core
+        self._thread = threading.get_ident()
+        self._token = trio.lowlevel.current_trio_token()
         self._wire = wire
         self._max_buffered = options.max_buffered
         self._max_inflight = options.max_inflight
@@ -185,6 +190,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         """`connect` on any wire: `dialect` is `zmqdp.NATIVE` or `zmqdp.vllm.dialect(...)`
         (what `zmqdp.vllm.connect` calls). `stream_class`: the streams `submit` makes.
         Cancellation as `connect`."""
+        engines = check_engines(engines)
         if options is None:
             options = ConnectOptions(**kwargs)
         elif kwargs:
@@ -214,6 +220,15 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
                 yield group
             finally:
                 group._close()
+
+    def _check_thread(self) -> None:
+        """The group's state is its thread's: a call from another thread would change it
+        without waking the tasks that act on it (trio's primitives are not thread-safe)."""
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "an EngineGroup is used from another thread than the one it runs in; "
+                "call it from there (e.g. with trio.from_thread.run_sync)"
+            )
 
     # -- state ------------------------------------------------------------------------
 
@@ -267,6 +282,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         pinned rank, a body with no wire form, or an ADD larger than the engine
         accepts), each before anything is sent or reserved.
         """
+        self._check_thread()
         prepared = self._wire.prepare(request, self._infos, time.time())
         stream = self.stream_class._create(prepared.id, self._close_stream, self._max_buffered)
         timeout = prepared.timeout if prepared.timeout is not None else self._request_timeout
@@ -294,6 +310,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         Cancellation: if cancelled while waiting, nothing was submitted. Once admitted
         the request is live and the stream is returned; enter its `async with` at once.
         """
+        self._check_thread()
         await trio.lowlevel.checkpoint_if_cancelled()
         rank = getattr(request, "rank", None)
         if self.would_admit(rank):
@@ -304,6 +321,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
     def abort_nowait(self, request_id: str) -> None:
         """`abort` without the checkpoint (synchronous code, `zmqdp.aio`)."""
+        self._check_thread()
         self._core.on_abort(request_id, None)
         self._apply(self._core.take_effects())
 
@@ -327,6 +345,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
         Cancellation: the reply, if it comes later, is dropped.
         """
+        self._check_thread()
         if timeout < 0:
             raise ValueError(f"timeout must be >= 0, got {timeout}")
         self._core.check_call(rank, method)
@@ -350,6 +369,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         Cancellation: the group stays draining and its live requests go on; leaving
         `connect`'s block closes it.
         """
+        self._check_thread()
         core = self._core
         if core.on_drain():
             log.info("draining: %d live request(s)", len(core.book))
@@ -392,6 +412,11 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
     def _close_stream(self, stream: RequestStream) -> None:
         """A stream's `async with` ended before its request did: abort it, once."""
+        if threading.get_ident() != self._thread:  # hand it to the group's thread
+            # (RunFinishedError: the group's run is over, and every request with it)
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(self._close_stream, stream)
+            return
         self._core.on_abort(stream.request_id, stream)
         self._apply(self._core.take_effects())
 

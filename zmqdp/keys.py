@@ -41,13 +41,13 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from .values import MAX_ENGINES, check_engines
+
 __all__ = ["ClientKeys", "EngineKeys", "generate_keys", "load_client_keys", "load_engine_keys"]
 
 CLIENT = "client"
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
-MAX_ENGINES = 1 << 16
-"""Ranks travel as 2-byte routing ids, so a group has at most 65536 of them."""
 
 _RANK_FILE = re.compile(r"rank-(?P<rank>.*)\.(?:key|key_secret)")
 _CANONICAL_RANK = re.compile(r"0|[1-9][0-9]*")
@@ -192,12 +192,35 @@ def _existing_dir(directory: str | os.PathLike[str]) -> Path:
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such key directory")
+    _check_trusted(path, "key directory")
     return path
+
+
+def _check_trusted(path: Path, what: str) -> None:
+    """Refuse a key file or directory that someone else may write, as ssh does for
+    ``authorized_keys``: whoever can add a ``rank-<r>.key`` to the directory, or replace
+    ``client.key``, adds a rank to the allow-list or impersonates the client. Trusted
+    means owned by this user (or root) and not writable by group or others."""
+    if os.name != "posix":
+        return
+    info = path.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        raise PermissionError(
+            f"{path}: {what} is writable by group/others (mode {mode:04o}), so anyone "
+            f"there could add or replace a key; restrict it with: chmod go-w {path}"
+        )
+    if info.st_uid not in (os.getuid(), 0):
+        raise PermissionError(
+            f"{path}: {what} belongs to uid {info.st_uid}, not to this user "
+            f"(uid {os.getuid()}) or root, so its owner could add or replace a key"
+        )
 
 
 def _read_public(path: Path) -> bytes:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing public key file")
+    _check_trusted(path, "public key file")
     public, _ = _load(path)
     return _check_z85(public, str(path))
 
@@ -290,10 +313,7 @@ def generate_keys(
     `force`. With `force`, ``rank-<r>`` files of ranks >= `engines` are removed too, so
     a smaller group does not keep stale engines on its allow-list.
     """
-    if isinstance(engines, bool) or not isinstance(engines, int):
-        raise ValueError(f"engines must be an int, got {type(engines).__name__}")
-    if not 1 <= engines <= MAX_ENGINES:
-        raise ValueError(f"engines must be in 1..{MAX_ENGINES}, got {engines}")
+    engines = check_engines(engines)
     path = Path(directory)
     if not path.exists():
         path.mkdir(mode=0o700, parents=True)

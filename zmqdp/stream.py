@@ -20,11 +20,17 @@ Leaving the `async with` block, or being cancelled inside it, calls `on_close(st
 exactly once unless the request had already ended: the group then aborts the request on
 its own rank. That call is synchronous (a queue operation), so it cannot be interrupted
 and needs no shield.
+
+Threads. A stream belongs to the thread that submitted it (the group's). Waiting on it
+from another thread would park on a loop the dispatcher never wakes, so it raises
+`RuntimeError` instead; leaving the `async with` from another thread hands the abort to
+the group's thread (`EngineGroup._close_stream`), so the engine still gets its ABORT.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
@@ -53,6 +59,7 @@ class RequestStream(metaclass=NoPublicConstructor):
         "_error",
         "_limit",
         "_on_close",
+        "_thread",
         "_waiter",
         "first_output_at",
         "outcome",
@@ -88,6 +95,7 @@ class RequestStream(metaclass=NoPublicConstructor):
         self._waiter: trio.lowlevel.Task | None = None
         self._done = False
         self._error: BaseException | None = None
+        self._thread = threading.get_ident()
 
     # -- the dispatcher's side (package-internal; synchronous) ------------------------
 
@@ -213,9 +221,19 @@ class RequestStream(metaclass=NoPublicConstructor):
             raise self._end_of_stream()
         return []
 
+    def _check_thread(self) -> None:
+        """Waiting from a thread other than the group's would never be woken."""
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                f"request {self.request_id!r}: its stream is read from another thread than "
+                "the engine group's; read it in the group's thread (or hand it over with "
+                "trio.from_thread)"
+            )
+
     async def _wait(self) -> None:
         """Park the reader until `notify()` (a trio.Event per wait cost more than the
         rest of delivering a token)."""
+        self._check_thread()
         if self._waiter is not None:
             raise trio.BusyResourceError(
                 f"request {self.request_id!r}: another task is already reading this stream"

@@ -17,6 +17,20 @@ from ._core.messages import Load
 from ._core.metrics import HistogramSnapshot
 from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, check_timeout
 
+MAX_ENGINES = 1 << 16
+"""Ranks travel as 2-byte routing ids, so a group has at most 65536 of them."""
+
+
+def check_engines(engines: object) -> int:
+    """`engines` as a group size, or a ValueError/TypeError that says what is allowed
+    (rather than an OverflowError from deep in the transport, or a bool read as 1)."""
+    if type(engines) is not int:
+        raise TypeError(f"engines must be an int, got {type(engines).__name__} {engines!r}")
+    if not 1 <= engines <= MAX_ENGINES:
+        raise ValueError(f"engines must be in 1..{MAX_ENGINES}, got {engines}")
+    return engines
+
+
 __all__ = [
     "ConnectOptions",
     "EngineInfo",
@@ -182,6 +196,10 @@ class GroupStatistics:
     connections_lost: int
     """Ranks declared dead because their connection closed: the engine exited or was
     killed, or missed heartbeats (`heartbeat_timeout`)."""
+    routes_restored: int = 0
+    """Natively: times the client ended the connections of an engine that another
+    process with the rank's identity had displaced (`ROUTER_HANDOVER` leaves them open
+    with no route), so that the engine reconnects and hears its RESYNC."""
 
 
 @dataclass(frozen=True, slots=True)

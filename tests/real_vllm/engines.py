@@ -218,7 +218,8 @@ class GroupHost:
         self._stop = trio.Event()
         t0 = time.monotonic()
         engines = self.engines
-        async with zmqdp.vllm.connect(engines.url, engines.size, **self.connect_kw) as g:
+        kw = {"insecure": True, **self.connect_kw}  # headless vLLM engines speak only tcp
+        async with zmqdp.vllm.connect(engines.url, engines.size, **kw) as g:
             self.connect_seconds = time.monotonic() - t0
             self.group = g
             self._ready.set()

@@ -23,9 +23,10 @@ What it can still do, because every ROUTER sets `ROUTER_HANDOVER` (docs/protocol
 so that a restarted engine takes its identity back): take over rank 0's connection on a
 socket. On the input or output socket that cuts rank 0 off, so the first message the
 impostor sends there makes the caller declare rank 0 dead (its requests fail at once
-instead of hanging, and it is RESYNCed, which makes a live engine reconnect and take
-its identity back). On the handshake socket rank 0 keeps serving and is left alone.
-Only a holder of an allowed key can do any of this.
+instead of hanging) and RESYNC it; the transport restores the route of the displaced
+engine when a RESYNC needs it (docs/design.md, "Connections taken over"). On the
+handshake socket rank 0 keeps serving and is left alone. Only a holder of an allowed
+key can do any of this.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ class PeerBinding:
         self.impersonations = 0
         """Messages dropped because the routing id was not the key's rank."""
         self.recent: deque[Refusal] = deque(maxlen=MAX_KEPT)
+        self.claims: dict[int, tuple[str, int]] = {}
+        """Per rank of the group that impostors claimed: (whose key the last one had,
+        how many messages were dropped). A rank that never joins is explained by it."""
 
     def admit(
         self, socket: str, identity: bytes, user_id: str | None
@@ -120,6 +124,8 @@ class PeerBinding:
         claimed = identity_rank(identity)
         key = f"rank {user_id}'s key" if user_id is not None else "no authenticated key"
         shown = f"rank {claimed}" if claimed is not None else f"identity {identity.hex()}"
+        if claimed is not None and claimed < self.size:
+            self.claims[claimed] = (key, self.claims.get(claimed, ("", 0))[1] + 1)
         what = f"a peer with {key} claimed {shown} on the {socket} socket"
         self.recent.append(Refusal(what))
         log_line = f"CURVE: dropped a message: {what}"
@@ -127,3 +133,17 @@ class PeerBinding:
         if socket != "handshake" and claimed is not None and claimed < self.size:
             displaced = claimed  # ROUTER_HANDOVER gave it that rank's connection
         return False, displaced, log_line
+
+    def explain(self, rank: int) -> str | None:
+        """Why `rank` may be missing: peers claimed it with another key, or None."""
+        if rank not in self.claims:
+            return None
+        key, count = self.claims[rank]
+        hint = ""
+        if key.startswith("rank "):
+            owner = key.removesuffix("'s key")
+            hint = (
+                f"; is {owner}'s key pair copied as rank {rank}'s? every rank "
+                "needs a key pair of its own (python -m zmqdp keys DIR --engines N)"
+            )
+        return f"{count} message(s) claiming rank {rank} came with {key} and were dropped{hint}"

@@ -92,6 +92,18 @@ class ConnectionWatch:
             if not fds:
                 del self._conns[rank]
 
+    def owner(self, fd: int) -> int | None:
+        """The rank whose current incarnation `fd` carries, if any."""
+        return self._owner.get(fd)
+
+    def open_fds(self) -> set[int]:
+        """Every open connection's fd (a new set)."""
+        return set(self._owner)
+
+    def __contains__(self, fd: object) -> bool:
+        """Whether `fd` is an open connection."""
+        return fd in self._owner
+
     def strays(self) -> int:
         """Open connections that are no rank's current incarnation's."""
         return len(self._owner) - sum(len(fds) for fds in self._conns.values())

@@ -29,6 +29,12 @@ Drain, in this order:
    own shutdown hook: ``app.begin_drain(); await app.wait_drained()``, then stop its
    server.
 
+`stop_now()` (the second SIGTERM of `serve`) hurries a drain: every live completion is
+aborted on its rank and answered 503 `shutting_down` (an SSE error event if its stream
+had begun), new ones get the same, the grace is cut short, and the drain, with nothing
+left to wait for, ends at once. The server then stops as after any drain: answered, not
+cut off (completions.py).
+
 Step 2 runs in the lifespan task (it is woken by `begin_drain`), so `begin_drain` is a
 plain function: call it from the event loop's thread (a signal handler should hand it
 over, e.g. with `loop.call_soon_threadsafe`). A server shutdown without a drain (the
@@ -38,6 +44,7 @@ has closed its connections, so that drain is immediate.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -66,6 +73,16 @@ DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 """Bytes: a prompt of 128k token ids in JSON is about 1 MiB. The body is parsed on the
 event loop (about 0.3 s for 3 MiB), so a larger limit lets one client stall the others."""
 
+DEFAULT_MAX_COLLECTED_TOKENS = 1 << 17
+"""Tokens: the longest non-streaming answer the gateway collects (131072, a long
+context). A non-streaming answer is held whole until its last output, so without a
+limit a client asking for `max_tokens` 2**31-1 grows the gateway's memory for as long
+as the engine generates. Past it: 400 up front (`max_tokens`), 502 at run time."""
+
+DEFAULT_MAX_COLLECTED_CHARS = 1 << 22
+"""Characters of text a non-streaming answer collects at most (4 Mi, 32 per token of
+`DEFAULT_MAX_COLLECTED_TOKENS`): bounds a dialect whose outputs carry much text."""
+
 DEFAULT_MAX_BUFFERED = 4096
 """Outputs a request's stream holds for a client that does not read (`max_buffered` of
 `EngineGroup.connect`): past it the request is aborted on its rank (an SSE error event).
@@ -85,6 +102,8 @@ def create_app(
     drain_timeout: float | None = 30.0,
     drain_grace: float = 0.0,
     max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+    max_collected_tokens: int | None = DEFAULT_MAX_COLLECTED_TOKENS,
+    max_collected_chars: int | None = DEFAULT_MAX_COLLECTED_CHARS,
     **connect_options: Any,
 ) -> GatewayApp:
     """An OpenAI-compatible `/v1/completions` ASGI app over an engine group.
@@ -100,11 +119,23 @@ def create_app(
     owns it: give no `url`, `engines`, `mock` or connect options).
 
     `dialect` translates requests and outputs (default `MockDialect`, the mock engine's
-    bodies); `model` names the model in responses to requests without one.
-    `queue_timeout`: seconds a request waits for admission room before a 429 (0: 429 at
-    once); `retry_after`: the `Retry-After` of 429 and 503 answers. `drain_timeout`:
-    seconds a drain waits for live requests (None: no limit); `drain_grace`: seconds
-    between `/ready` turning 503 and the group refusing new requests (app.py).
+    bodies); `model` names the model in responses to requests without one (a request's
+    own `model`, at most `openai.MAX_MODEL_LENGTH` = 256 characters, else 400, is
+    echoed as OpenAI's servers do). `queue_timeout`: seconds a request waits for
+    admission room before a 429 (0: 429 at once); `retry_after`: the `Retry-After` of
+    429 and 503 answers. `drain_timeout`: seconds a drain waits for live requests
+    (None: no limit); `drain_grace`: seconds between `/ready` turning 503 and the group
+    refusing new requests (app.py). `max_body_size`: bytes of a request body (413
+    past it).
+
+    A non-streaming answer is held whole until its last output (a stream is bounded by
+    `max_buffered` instead). `max_collected_tokens` (default
+    `DEFAULT_MAX_COLLECTED_TOKENS`, 131072; None: no limit): a non-streaming request
+    with a larger `max_tokens` is refused up front with a 400 naming `max_tokens`, and
+    an answer that collects more tokens than this anyway (an engine that overshoots) is
+    aborted on its rank and answered 502 `response_too_large`, naming the request and
+    the limit. `max_collected_chars` (default `DEFAULT_MAX_COLLECTED_CHARS`, 4 Mi; None:
+    no limit): the same 502 for an answer whose text grows past this many characters.
     """
     if group is not None:
         if url is not None or engines is not None or mock is not None or connect_options:
@@ -121,12 +152,20 @@ def create_app(
         raise ValueError("queue_timeout, retry_after and drain_grace must be >= 0")
     if drain_timeout is not None and drain_timeout < 0:
         raise ValueError("drain_timeout must be >= 0 or None")
+    for name, limit in (
+        ("max_collected_tokens", max_collected_tokens),
+        ("max_collected_chars", max_collected_chars),
+    ):
+        if limit is not None and limit < 1:
+            raise ValueError(f"{name} must be >= 1 or None")
     settings = CompletionSettings(
         dialect=MockDialect() if dialect is None else dialect,
         model=model,
         queue_timeout=queue_timeout,
         retry_after=retry_after,
         max_body_size=max_body_size,
+        max_collected_tokens=max_collected_tokens,
+        max_collected_chars=max_collected_chars,
     )
     return GatewayApp._create(
         url=url,
@@ -157,6 +196,8 @@ class GatewayApp:
         self._connect_options: dict[str, Any] = kw["connect_options"]
         self._backend: Backend | None = None
         self._drain_asked = False
+        self._stop_asked = False
+        self._stopping: EventLike | None = None
         self._drain_requested: EventLike | None = None
         self._drained: EventLike | None = None
         self._stop_startup: Callable[[], None] | None = None
@@ -204,6 +245,21 @@ class GatewayApp:
         if self._drain_requested is not None:
             self._drain_requested.set()
 
+    def stop_now(self) -> None:
+        """Stop serving now (the second SIGTERM of `serve`): `begin_drain()` if it was
+        not called, then every live completion is aborted on its rank and answered 503
+        `shutting_down` (a last SSE error event if its stream had begun), and so is any
+        completion asked for from now on; the drain then ends at once (its grace cut
+        short) and `wait_drained()` returns. Idempotent; call it from the event loop's
+        thread."""
+        self.begin_drain()
+        if self._stop_asked:
+            return
+        self._stop_asked = True
+        log.info("stop asked: live requests are aborted and answered 503")
+        if self._stopping is not None:
+            self._stopping.set()
+
     async def wait_drained(self) -> None:
         """Return once a drain has finished (the group is drained and closed). Needs the
         lifespan to be running (it does the draining)."""
@@ -216,12 +272,18 @@ class GatewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
-            await self._lifespan(receive, send)
+            try:
+                await self._lifespan(receive, send)
+            except asyncio.CancelledError:
+                # uvicorn's force_exit (a third signal to `serve`) skips the lifespan
+                # shutdown, and `asyncio.run` then cancels this task: the group closed on
+                # the way out. Re-raised, uvicorn would log it as a traceback.
+                log.info("the lifespan was cancelled (the server stopped without a shutdown)")
             return
         if kind != "http":
             return
         if self._backend is None:  # no lifespan (an embedded group): pick it now
-            self._backend = backend_for(sniffio.current_async_library())
+            self._use(backend_for(sniffio.current_async_library()))
         route = self._routes.get(scope["path"])
         if route is None:
             await self._error(
@@ -250,8 +312,17 @@ class GatewayApp:
     async def _error(self, send: Send, route: str, error: HTTPError) -> None:
         await Exchange(send, route, self.counters).fail(error)
 
+    def _use(self, backend: Backend) -> Backend:
+        """Run on `backend` from now on (at lifespan startup, or at the first request of
+        an app served without a lifespan)."""
+        self._backend = backend
+        self._stopping = backend.event()
+        if self._stop_asked:
+            self._stopping.set()
+        return backend
+
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        assert self._backend is not None
+        assert self._backend is not None and self._stopping is not None
         await handle_completion(
             scope,
             receive,
@@ -260,6 +331,7 @@ class GatewayApp:
             backend=self._backend,
             settings=self._settings,
             counters=self.counters,
+            stopping=self._stopping,
         )
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -308,7 +380,9 @@ class GatewayApp:
         message = await receive()
         if message["type"] != "lifespan.startup":
             return
-        backend = self._backend = backend_for(sniffio.current_async_library())
+        backend = self._use(backend_for(sniffio.current_async_library()))
+        stopping = self._stopping
+        assert stopping is not None
         self._drain_requested = requested = backend.event()
         self._drained = backend.event()
         if self._drain_asked:
@@ -328,10 +402,12 @@ class GatewayApp:
                     winner, _ = await backend.race(lambda: _next_message(receive), requested.wait)
                     if winner == 1:  # begin_drain()
                         shutdown = False
-                        if self._drain_grace > 0:  # a server shutdown cuts the grace short
+                        if self._drain_grace > 0 and not stopping.is_set():
+                            # a server shutdown, or stop_now(), cuts the grace short
                             first, _ = await backend.race(
                                 lambda: _next_message(receive),
                                 lambda: backend.sleep(self._drain_grace),
+                                stopping.wait,
                             )
                             shutdown = first == 0
                         await self._drain(asked=True)

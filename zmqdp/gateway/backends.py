@@ -16,7 +16,8 @@ from the loop it runs on are here, chosen at lifespan startup by
 * `within(seconds, fn)`: `fn()` under a timeout (waiting for admission room);
 * `stopper()`: a block that a plain function can stop from the loop's thread (the
   lifespan's startup, when a drain is asked for before the group is up);
-* `sleep`, `connect` (the group flavour) and `run_mock` (the embedded mock group).
+* `sleep`, `sleep_forever`, `connect` (the group flavour) and `run_mock` (the embedded
+  mock group).
 
 anyio would give the same (and more), but it would be a new dependency for about sixty
 lines, and its cancel scopes on asyncio add a layer under every await of the hot path;
@@ -150,6 +151,10 @@ class Backend(Protocol):
 
     async def sleep(self, seconds: float) -> None: ...
 
+    async def sleep_forever(self) -> None:
+        """Wait until cancelled."""
+        ...
+
     def connect(
         self, url: str, engines: int, options: dict[str, Any]
     ) -> AbstractAsyncContextManager[GroupLike]: ...
@@ -268,6 +273,9 @@ class TrioBackend:
     async def sleep(self, seconds: float) -> None:
         await trio.sleep(seconds)
 
+    async def sleep_forever(self) -> None:
+        await trio.sleep_forever()
+
     def connect(
         self, url: str, engines: int, options: dict[str, Any]
     ) -> AbstractAsyncContextManager[GroupLike]:
@@ -333,6 +341,9 @@ class AsyncioBackend:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+    async def sleep_forever(self) -> None:
+        await asyncio.get_running_loop().create_future()
 
     def connect(
         self, url: str, engines: int, options: dict[str, Any]

@@ -7,11 +7,14 @@ The request path, in order:
 1. **Read the body** (up to `max_body_size`, else 413). A client that goes away
    meanwhile ends the exchange here; nothing was submitted.
 2. **Validate**: the JSON (`openai.parse_completion`), the optional
-   `X-Data-Parallel-Rank` header (an int >= 0, else 400), then the dialect's
-   `prepare` (its `ValueError` is a 400). Still nothing submitted.
-3. **Race the response against the disconnect watcher** (`backend.race`). From here on
-   the `receive` callable says nothing but `http.disconnect`, and a watcher task waits
-   for it; the response runs next to it. Whichever finishes first cancels the other.
+   `X-Data-Parallel-Rank` header (an int >= 0 of at most `MAX_RANK_DIGITS` digits,
+   else 400), a non-streaming request's `max_tokens` against `max_collected_tokens`
+   (400 naming `max_tokens` past it: stream it instead), then the dialect's `prepare`
+   (its `ValueError` is a 400). Still nothing submitted.
+3. **Race the response against the disconnect watcher and the stop** (`backend.race`).
+   From here on the `receive` callable says nothing but `http.disconnect`, and a
+   watcher task waits for it; another waits for `GatewayApp.stop_now()`; the response
+   runs next to them. Whichever finishes first cancels the others.
 4. Inside the response:
 
    a. **Submit**: `group.submit` (never blocks), or with a queue time `wait_submit`
@@ -22,10 +25,13 @@ The request path, in order:
       request is never live without the block that aborts it.
    c. **Read batches** with `receive_batch()`: everything buffered at once, so a burst
       of outputs is one HTTP write. Non-streaming: collect until the terminal output,
-      then one JSON response. Streaming: the status line and SSE headers go out with
-      the first batch (an error before the first output still gets its own status:
-      504, 502...), then one write per batch, the last with `finish_reason`, the usage
-      chunk if asked for, and `[DONE]`.
+      then one JSON response; an answer that grows past `max_collected_tokens` tokens
+      or `max_collected_chars` characters is aborted on its rank and answered 502
+      (`response_too_large`): the engine sent more than was asked for, or more text
+      than the gateway holds for one client. Streaming: the status line and SSE
+      headers go out with the first batch (an error before the first output still gets
+      its own status: 504, 502...), then one write per batch, the last with
+      `finish_reason`, the usage chunk if asked for, and `[DONE]`.
    d. A zmqdp error read from the stream becomes an HTTP error (errors.py): its status
       before the first write, an SSE error event after it (then the response ends,
       without `[DONE]`).
@@ -40,32 +46,56 @@ accept and drop writes to a closed connection, and a non-streaming request write
 nothing until the end, so the engine would generate the whole answer for nobody.
 
 If the response ends first, the watcher is cancelled; a disconnect after the last
-write is not counted.
+write is not counted. Once the last write has begun (`Exchange.ended`) neither the
+watcher nor the stop ever wins: the servers complete a response inside that `send()`
+(hypercorn closes a `Connection: close` connection or restarts its keep-alive timer
+there), and cancelling it there would leave the connection open forever
+(`http.wait_for_disconnect`).
+
+Stopping (`GatewayApp.stop_now()`, the second SIGTERM of `serve`): the stop wins the
+race, the response is cancelled inside its stream's `async with` (the request is
+aborted on its rank) and the client gets a 503 `shutting_down`, or an SSE error event
+if its stream had begun. A request that arrives after the stop gets that 503 at once.
+On asyncio, a server that cancels the request's task (uvicorn past its
+`timeout_graceful_shutdown`, or the end of `asyncio.run`) gets the same answer, sent
+if the connection can take it, and the task then ends quietly: a `CancelledError`
+escaping the app would be logged by uvicorn as a traceback and answered with a bare
+500.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .._core.errors import ZmqdpError
 from ..values import Request
-from .backends import Backend, GroupLike, StreamLike
+from .backends import Backend, EventLike, GroupLike, StreamLike
 from .dialect import CompletionRequest, Dialect, Prepared
 from .errors import HTTPError, http_error
 from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_disconnect
 from .metrics import HTTPCounters
 from .openai import DONE, ChunkEncoder, chunk, completion, parse_completion
 
-__all__ = ["RANK_HEADER", "CompletionSettings", "handle_completion"]
+__all__ = ["MAX_RANK_DIGITS", "RANK_HEADER", "CompletionSettings", "handle_completion"]
 
 log = logging.getLogger("zmqdp.gateway")
 
 RANK_HEADER = b"x-data-parallel-rank"
 """Pins the request to one rank (vLLM's and SGLang's header)."""
+
+MAX_RANK_DIGITS = 9
+"""The longest `X-Data-Parallel-Rank` taken: no group has a billion ranks, and `int()`
+of a longer one costs more (past 4300 digits it raises `ValueError`)."""
+
+MESSAGE_QUOTE = 500
+"""Characters of a dialect's error message that an error body quotes at most."""
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
@@ -80,6 +110,10 @@ class CompletionSettings:
     retry_after: int
     """The `Retry-After` of 429 and 503 answers, in seconds."""
     max_body_size: int
+    max_collected_tokens: int | None = None
+    """The most tokens a non-streaming answer may collect (None: no limit)."""
+    max_collected_chars: int | None = None
+    """The most characters of text a non-streaming answer may collect (None: no limit)."""
 
 
 def _rank(scope: Scope) -> int | None:
@@ -87,14 +121,53 @@ def _rank(scope: Scope) -> int | None:
     if value is None:
         return None
     text = value.decode("latin-1").strip()
-    if not text.isdigit() or not text.isascii():
+    if not text.isdigit() or not text.isascii() or len(text) > MAX_RANK_DIGITS:
+        got = repr(text[:40]) + ("" if len(text) <= 40 else f"... ({len(text)} characters)")
         raise HTTPError(
             400,
             "invalid_request_error",
             "invalid_rank",
-            f"X-Data-Parallel-Rank must be a rank number (an int >= 0), got {text[:40]!r}",
+            "X-Data-Parallel-Rank must be a rank number (an int >= 0 of at most "
+            f"{MAX_RANK_DIGITS} digits), got {got}",
         )
     return int(text)
+
+
+def _check_collected(request: CompletionRequest, settings: CompletionSettings) -> None:
+    """400 for a non-streaming request that asks for more tokens than the gateway
+    collects for one answer: refused before any engine works on it."""
+    limit = settings.max_collected_tokens
+    if not request.stream and limit is not None and request.max_tokens > limit:
+        raise HTTPError(
+            400,
+            "invalid_request_error",
+            "invalid_request",
+            f"'max_tokens' is {request.max_tokens}: a non-streaming request takes at most "
+            f"{limit} on this gateway (its answer is held whole until it ends); ask for "
+            'fewer, or stream it ("stream": true)',
+            param="max_tokens",
+        )
+
+
+def _shutting_down(request_id: str, rank: int | None, retry_after: int) -> HTTPError:
+    where = "" if rank is None else f" on rank {rank}"
+    return HTTPError(
+        503,
+        "service_unavailable",
+        "shutting_down",
+        f"request {request_id!r}: the gateway is shutting down; the request was aborted{where}",
+        retry_after=retry_after,
+    )
+
+
+async def _until_stopped(
+    stopping: EventLike, exchange: Exchange, forever: Callable[[], Awaitable[None]]
+) -> None:
+    """Return when the gateway stops, unless the response's last write has begun (then
+    wait to be cancelled: see `wait_for_disconnect`)."""
+    await stopping.wait()
+    if exchange.ended:
+        await forever()
 
 
 async def handle_completion(
@@ -106,12 +179,15 @@ async def handle_completion(
     backend: Backend,
     settings: CompletionSettings,
     counters: HTTPCounters,
+    stopping: EventLike,
 ) -> None:
-    """Serve one `POST /v1/completions` (module docstring)."""
+    """Serve one `POST /v1/completions` (module docstring). `stopping`: set by
+    `GatewayApp.stop_now()`."""
     exchange = Exchange(send, "completions", counters)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     exchange.headers.append((b"x-request-id", request_id.encode()))
     counters.active += 1
+    response: _Response | None = None
     try:
         try:
             body = await read_body(receive, settings.max_body_size)
@@ -120,17 +196,21 @@ async def handle_completion(
                 return
             request = parse_completion(body)
             rank = _rank(scope)
+            _check_collected(request, settings)
             try:
                 prepared = settings.dialect.prepare(request)
             except ValueError as exc:
-                raise HTTPError(400, "invalid_request_error", "invalid_request", str(exc)) from None
+                raise HTTPError(
+                    400, "invalid_request_error", "invalid_request", str(exc)[:MESSAGE_QUOTE]
+                ) from None
             except Exception as exc:  # a dialect bug: a JSON 500, logged, never a bare one
                 log.error("request %r: the dialect failed: %r", request_id, exc, exc_info=exc)
                 raise HTTPError(
                     500,
                     "internal_error",
                     "dialect_failed",
-                    f"request {request_id!r}: the dialect failed: {type(exc).__name__}: {exc}",
+                    f"request {request_id!r}: the dialect failed: {type(exc).__name__}: "
+                    f"{str(exc)[:MESSAGE_QUOTE]}",
                 ) from None
             if group is None:
                 raise HTTPError(
@@ -140,13 +220,20 @@ async def handle_completion(
                     "the engine group is not connected (yet)",
                     retry_after=settings.retry_after,
                 )
+            if stopping.is_set():
+                raise _shutting_down(request_id, None, settings.retry_after)
         except HTTPError as error:
             await exchange.fail(error)
             return
         response = _Response(
             group, backend, settings, counters, exchange, request_id, request, prepared, rank
         )
-        winner, _ = await backend.race(response.run, lambda: wait_for_disconnect(receive))
+        forever = backend.sleep_forever
+        winner, _ = await backend.race(
+            response.run,
+            lambda: wait_for_disconnect(receive, exchange, forever),
+            lambda: _until_stopped(stopping, exchange, forever),
+        )
         if winner == 1 and not exchange.ended:
             counters.disconnects[exchange.route] += 1
             log.info(
@@ -154,6 +241,19 @@ async def handle_completion(
                 request_id,
                 response.rank,
             )
+        elif winner == 2:
+            log.info("request %r (rank %s): aborted: the gateway stops", request_id, response.rank)
+            await exchange.fail(_shutting_down(request_id, response.rank, settings.retry_after))
+    except asyncio.CancelledError:
+        # The server cancelled this request's task (module docstring): answer if the
+        # connection takes it at once, and end quietly. Never raised on trio.
+        rank = None if response is None else response.rank
+        log.info("request %r (rank %s): cancelled by the server", request_id, rank)
+        try:
+            async with asyncio.timeout(1.0):
+                await exchange.fail(_shutting_down(request_id, rank, settings.retry_after))
+        except (Exception, asyncio.CancelledError):
+            pass
     finally:
         counters.active -= 1
 
@@ -189,7 +289,7 @@ class _Response:
     def _error(self, exc: BaseException) -> HTTPError:
         error = http_error(exc, retry_after=self.settings.retry_after, size=self.group.size)
         if error.status >= 500:
-            if isinstance(exc, ZmqdpError):
+            if isinstance(exc, ZmqdpError | HTTPError):
                 log.warning("request %r: %d: %s", self.request_id, error.status, exc)
             else:
                 log.error("request %r: %s", self.request_id, exc, exc_info=exc)
@@ -238,16 +338,22 @@ class _Response:
 
     async def _complete(self, stream: StreamLike) -> None:
         decode = self.prepared.decode
-        parts: list[str] = []
-        tokens = 0
+        text = io.StringIO()  # one growing buffer, not an object per output
+        chars = tokens = 0
+        max_tokens = self.settings.max_collected_tokens
+        max_chars = self.settings.max_collected_chars
         finish: str | None = None
         while finish is None:
             for out in await stream.receive_batch():
                 piece = decode(out)
-                parts.append(piece.text)
+                chars += text.write(piece.text)
                 tokens += piece.tokens
                 if out.finish is not None:
                     finish = piece.finish_reason or "stop"
+            if max_tokens is not None and tokens > max_tokens:
+                raise self._too_large(f"{tokens} tokens", f"{max_tokens} tokens")
+            if max_chars is not None and chars > max_chars:
+                raise self._too_large(f"{chars} characters", f"{max_chars} characters")
         self.counters.completion_tokens += tokens
         self.counters.prompt_tokens += self.prepared.prompt_tokens
         await self.exchange.respond(
@@ -256,11 +362,24 @@ class _Response:
                 self.request_id,
                 self.created,
                 self.model,
-                "".join(parts),
+                text.getvalue(),
                 finish,
                 self.prepared.prompt_tokens,
                 tokens,
             ),
+        )
+
+    def _too_large(self, size: str, limit: str) -> HTTPError:
+        """A non-streaming answer past a collect limit (raised inside the stream's
+        `async with`: the request is aborted on its rank)."""
+        return HTTPError(
+            502,
+            "engine_error",
+            "response_too_large",
+            f"rank {self.rank}, request {self.request_id!r}: the answer reached {size}, past "
+            f"the {limit} this gateway holds for a non-streaming request "
+            f"(max_tokens was {self.request.max_tokens}); the request was aborted. "
+            'Stream it ("stream": true) for a longer answer',
         )
 
     async def _stream(self, stream: StreamLike) -> None:

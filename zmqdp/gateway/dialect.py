@@ -105,14 +105,15 @@ class MockDialect:
     def prepare(self, request: CompletionRequest) -> Prepared:
         prompt = request.prompt
         try:
-            ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
+            tokens = prompt.encode() if isinstance(prompt, str) else prompt
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in the JSON)
             raise ValueError(f"'prompt' has no UTF-8 form: {exc.reason} at {exc.start}") from None
-        if len(ids) > self.max_prompt_tokens:
+        if len(tokens) > self.max_prompt_tokens:  # checked before a list of ints is made
             raise ValueError(
-                f"the prompt has {len(ids)} tokens; this engine takes at most "
+                f"the prompt has {len(tokens)} tokens; this engine takes at most "
                 f"{self.max_prompt_tokens}"
             )
+        ids = list(tokens)
         return Prepared({"prompt": ids, "max_tokens": request.max_tokens}, len(ids), _mock_piece)
 
 

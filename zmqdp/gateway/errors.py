@@ -5,17 +5,24 @@ failure                                status  meaning for the client
 =====================================  ======  ==========================================
 invalid JSON, a wrong field,           400     fix the request; do not retry as is
 `InvalidRequest`, a pinned rank that
-does not exist (`X-Data-Parallel-Rank`)
+does not exist (`X-Data-Parallel-Rank`),
+a non-streaming `max_tokens` past
+`max_collected_tokens`
 `Overloaded` (every rank, or the       429     retry after `Retry-After` seconds
 pinned one, at its in-flight cap), or
 no room within the queue time
 `GroupDraining`, `GroupClosed`,        503     retry elsewhere / later (`Retry-After`)
 `NoEngineAvailable`, a pinned rank
-that is down, the group not yet up
+that is down, the group not yet up,
+the gateway stopping (`stop_now()`:
+``shutting_down``)
 `RequestTimeout` (the request's        504     the engine did not finish in time; the
 deadline passed)                               request was aborted on its rank
 `EngineDead`, `ProtocolError`,         502     the engine failed the request
-`StreamTruncated`
+`StreamTruncated`, a non-streaming
+answer past `max_collected_tokens` or
+`max_collected_chars`
+(``response_too_large``)
 anything else                          500     a bug; logged with its traceback
 =====================================  ======  ==========================================
 
@@ -107,4 +114,4 @@ def http_error(exc: BaseException, *, retry_after: int, size: int) -> HTTPError:
         return HTTPError(502, "engine_error", "truncated", message)
     if isinstance(exc, StreamOverflow):
         return HTTPError(500, "internal_error", "stream_overflow", message)
-    return HTTPError(500, "internal_error", "internal_error", f"internal error: {message}")
+    return HTTPError(500, "internal_error", "internal_error", f"internal error: {message[:200]}")

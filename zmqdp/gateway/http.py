@@ -120,15 +120,29 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
-async def wait_for_disconnect(receive: Receive) -> None:
-    """Return when the client goes away (`http.disconnect`). Call it only once the body
-    has been read: from then on `receive` has nothing else to say.
+async def wait_for_disconnect(
+    receive: Receive, exchange: Exchange, forever: Callable[[], Awaitable[None]]
+) -> None:
+    """Return when the client goes away (`http.disconnect`) before `exchange` has ended.
+    Call it only once the body has been read: from then on `receive` has nothing else to
+    say.
 
     Both servers report a closed connection this way (hypercorn when its reader sees
     EOF or a reset, uvicorn from `connection_lost`), and both then drop the app's sends
     silently, so this watcher is the only way the gateway learns that a response is no
-    longer read."""
+    longer read.
+
+    Once the last body write has begun (`exchange.ended`), a disconnect changes nothing
+    and the watcher waits, with `forever()`, to be cancelled when the response task is
+    done. Both servers say `http.disconnect` as part of *completing* a response:
+    hypercorn from inside that last `send()` (it closes its stream, then closes the
+    connection on `Connection: close` or restarts the keep-alive timer), uvicorn right
+    after it. A watcher returning then would have the response task cancelled inside the
+    server's own `send()`, and hypercorn's close step would never run: the connection
+    would stay open forever, `Connection: close` and `keep_alive_timeout` ignored."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            if exchange.ended:
+                await forever()
             return

@@ -17,6 +17,7 @@ from .errors import HTTPError
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "MAX_MODEL_LENGTH",
     "ChunkEncoder",
     "DONE",
     "chunk",
@@ -32,6 +33,11 @@ DEFAULT_MAX_TOKENS = 16
 MAX_INT = (1 << 31) - 1
 """The largest `max_tokens` and token id taken: past it a number is a client bug, and
 the engine's int fields would reject it with a less helpful message."""
+
+MAX_MODEL_LENGTH = 256
+"""The longest `model` taken (characters). The name is echoed in the response, and in
+every chunk of a stream: unbounded, a 3 MB name made each chunk 3 MB (a client could
+have the gateway write hundreds of MiB a second for a few tokens)."""
 
 DONE = b"data: [DONE]\n\n"
 """The last event of a stream that ended well."""
@@ -63,11 +69,27 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _show(value: Any) -> str:
+    """A short description of a client's value for an error message: never the repr
+    of a whole container (a deep one would exhaust the recursion limit)."""
+    if isinstance(value, list | dict):
+        return f"a JSON {'array' if isinstance(value, list) else 'object'}"
+    if isinstance(value, str):
+        return repr(value[:50]) + ("..." if len(value) > 50 else "")
+    return f"{value!r:.50}"  # a number (json's own limit: at most 4300 digits), or a bool
+
+
+_DIGIT_LIMIT = "integer string conversion"
+"""In the `ValueError` of `json.loads` for an int past Python's digit limit."""
+
+
 def parse_completion(body: bytes) -> CompletionRequest:
     """A validated request, or `HTTPError` 400 (invalid JSON, a wrong known field)."""
     try:
         data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
+        if _DIGIT_LIMIT in str(exc):  # not the server's hint to raise that limit
+            raise _bad("the body has an integer too long to parse (a number of digits)") from None
         raise _bad(f"the body is not valid JSON: {exc}") from None
     except RecursionError:
         raise _bad("the body is not valid JSON: nested too deeply") from None
@@ -100,23 +122,28 @@ def parse_completion(body: bytes) -> CompletionRequest:
         max_tokens = DEFAULT_MAX_TOKENS
     if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT:
         raise _bad(
-            f"'max_tokens' must be an int from 1 to {MAX_INT}, got {max_tokens!r:.50}",
+            f"'max_tokens' must be an int from 1 to {MAX_INT}, got {_show(max_tokens)}",
             "max_tokens",
         )
     stream = data.get("stream", False)
     if stream is None:
         stream = False
     if type(stream) is not bool:
-        raise _bad(f"'stream' must be a boolean, got {stream!r:.50}", "stream")
+        raise _bad(f"'stream' must be a boolean, got {_show(stream)}", "stream")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
+    if model is not None and len(model) > MAX_MODEL_LENGTH:
+        raise _bad(
+            f"'model' is {len(model)} characters long; at most {MAX_MODEL_LENGTH} are taken",
+            "model",
+        )
     user = data.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string", "user")
     n = data.get("n", 1)
     if n is not None and (not _is_int(n) or n != 1):
-        raise _bad(f"'n' must be 1 (one choice per request), got {n!r:.50}", "n")
+        raise _bad(f"'n' must be 1 (one choice per request), got {_show(n)}", "n")
     options = data.get("stream_options")
     include_usage = False
     if options is not None:

@@ -11,8 +11,14 @@ Signals, the same on both servers:
   `--drain-timeout` s), and once it is drained the server is told to stop (hypercorn:
   its `shutdown_trigger` returns; uvicorn: `should_exit`), closes its connections and
   runs the lifespan shutdown; the exit status is 0;
-* a second signal, or a first one while the group is still connecting, stops at once:
-  live requests are aborted on their ranks as the group closes.
+* a second signal stops now (`app.stop_now()`): every live request is aborted on its
+  rank and answered 503 `shutting_down` (a last SSE error event if its stream had
+  begun), the drain ends, and the server stops as after any drain: no request is cut
+  off without an answer, and nothing is logged as a traceback;
+* a third signal, or a first one while the group is still connecting, stops at once
+  (hypercorn: its tasks are cancelled and its connections closed, but a write to a
+  client that stopped reading cannot be: hypercorn shields its socket writes; uvicorn:
+  its `force_exit`).
 
 An embedder running its own server gets the same by calling ``app.begin_drain()`` and
 ``await app.wait_drained()`` before it stops its server (app.py).
@@ -32,7 +38,13 @@ from typing import Any
 
 import trio
 
-from .app import DEFAULT_MAX_BUFFERED, GatewayApp, create_app
+from .app import (
+    DEFAULT_MAX_BUFFERED,
+    DEFAULT_MAX_COLLECTED_CHARS,
+    DEFAULT_MAX_COLLECTED_TOKENS,
+    GatewayApp,
+    create_app,
+)
 
 __all__ = ["add_arguments", "banner", "run", "serve_hypercorn", "serve_uvicorn"]
 
@@ -58,6 +70,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=None, help="deadline of every request, s (504)"
     )
     group.add_argument("--ready-timeout", type=float, default=60.0, help="wait for ranks, s")
+    group.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="CURVE keys (python -m zmqdp keys DIR --engines N): the client's pair and the "
+        "ranks' allow-list; needed for a tcp URL unless --insecure",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a tcp URL without --keys (whoever can reach the port, every local user "
+        "for loopback, can claim a rank and read prompts)",
+    )
     group.add_argument(
         "--no-recover",
         dest="recover",
@@ -90,6 +115,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--drain-grace", type=float, default=0.0, help="SIGTERM: /ready 503 this long first, s"
     )
+    http.add_argument(
+        "--max-collected-tokens",
+        type=int,
+        default=DEFAULT_MAX_COLLECTED_TOKENS,
+        help="the longest non-streaming answer, tokens: a larger max_tokens is a 400, an "
+        "engine that overshoots a 502 (0: no limit)",
+    )
+    http.add_argument(
+        "--max-collected-chars",
+        type=int,
+        default=DEFAULT_MAX_COLLECTED_CHARS,
+        help="the most text of a non-streaming answer, characters; past it a 502 (0: no limit)",
+    )
     http.add_argument("--access-log", action="store_true", help="log every request")
     parser.add_argument("--log-level", default="INFO")
 
@@ -114,13 +152,20 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         "max_inflight": _max_inflight(args.max_inflight),
         "request_timeout": args.request_timeout,
         "max_buffered": args.max_buffered or None,
+        "insecure": args.insecure,
     }
+    if args.keys is not None:
+        from ..keys import load_client_keys
+
+        options["curve"] = load_client_keys(args.keys)
     common: dict[str, Any] = {
         "model": args.model,
         "queue_timeout": args.queue_timeout,
         "retry_after": args.retry_after,
         "drain_timeout": args.drain_timeout,
         "drain_grace": args.drain_grace,
+        "max_collected_tokens": args.max_collected_tokens or None,
+        "max_collected_chars": args.max_collected_chars or None,
     }
     if args.mock:
         mock = MockConfig(
@@ -128,6 +173,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
             lockstep=args.lockstep,
             step_time=args.step_time,
             max_num_seqs=args.max_num_seqs,
+            keys=args.keys,
         )
         return create_app(args.url, mock=mock, **common, **options)
     if args.url is None or args.engines is None:
@@ -187,12 +233,21 @@ async def serve_hypercorn(
                 stop.set()
 
             async def on_signals() -> None:
+                count = 0
                 async for signum in signals:
                     name = signal.Signals(signum).name
-                    if started and not app.draining:
+                    count += 1
+                    if started and count == 1:
                         log.warning("%s: draining, then stopping (again to stop now)", name)
                         app.begin_drain()
                         nursery.start_soon(stop_when_drained)
+                    elif started and count == 2:
+                        log.warning(
+                            "%s: stopping now: live requests are answered 503 (again to "
+                            "exit at once)",
+                            name,
+                        )
+                        app.stop_now()
                     else:
                         log.warning("%s: stopping now", name)
                         nursery.cancel_scope.cancel()
@@ -232,6 +287,7 @@ def serve_uvicorn(
         loop: asyncio.AbstractEventLoop | None = None
         drain_task: asyncio.Task[None] | None = None
         signalled = False
+        signals = 0
 
         async def startup(self, sockets: Any = None) -> None:
             self.loop = asyncio.get_running_loop()
@@ -244,9 +300,14 @@ def serve_uvicorn(
             # A signal handler (main thread, between bytecodes): hand over to the loop.
             loop = self.loop
             self.signalled = True
-            if self.started and loop is not None and self.drain_task is None:
-                loop.call_soon_threadsafe(self._begin_drain, sig)
-                return
+            if self.started and loop is not None:
+                self.signals += 1
+                if self.signals == 1:
+                    loop.call_soon_threadsafe(self._begin_drain, sig)
+                    return
+                if self.signals == 2:
+                    loop.call_soon_threadsafe(self._stop_now, sig)
+                    return
             self.should_exit = self.force_exit = True
             if not self.started and loop is not None:
                 # uvicorn looks at should_exit only once the lifespan startup is over,
@@ -255,12 +316,20 @@ def serve_uvicorn(
                 loop.call_soon_threadsafe(app.begin_drain)
 
         def _begin_drain(self, sig: int) -> None:
-            if self.drain_task is not None:
-                self.should_exit = self.force_exit = True
-                return
             log.warning("%s: draining, then stopping (again to stop now)", signal.Signals(sig).name)
             app.begin_drain()
             self.drain_task = asyncio.ensure_future(self._exit_when_drained())
+
+        def _stop_now(self, sig: int) -> None:
+            # Not `force_exit`: uvicorn would then stop without waiting for the
+            # responses, and `asyncio.run` would cancel the live requests' tasks (bare
+            # 500s, a CancelledError traceback each). The app answers them instead; the
+            # drain, left with nothing to wait for, ends; `_exit_when_drained` follows.
+            log.warning(
+                "%s: stopping now: live requests are answered 503 (again to exit at once)",
+                signal.Signals(sig).name,
+            )
+            app.stop_now()
 
         async def _exit_when_drained(self) -> None:
             await app.wait_drained()

@@ -50,7 +50,7 @@ from .._addresses import is_loopback
 from .._core.errors import ProtocolError
 from .._core.liveness import ConnectionWatch
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
-from .._transport import TransportBase, TransportListener
+from .._transport import OUTPUT_LOST, TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
 from .._zmq import ACCEPTED, Monitor, ZSocket, ZSocketSet, handshake_deadline, heartbeat
 from .codec import (
@@ -139,13 +139,14 @@ class VllmTransport(TransportBase):
     ) -> None:
         if url.startswith("tcp://") and not insecure:
             host = url[len("tcp://") :].rpartition(":")[0]
-            if not is_loopback(host):
-                raise ValueError(
-                    f"group URL {url!r} can be reached from other machines, and vLLM's "
-                    "engine-core protocol has no authentication: anyone who connects can "
-                    "claim a rank, read its requests and inject outputs. Pass "
-                    "insecure=True if the network is trusted (as vLLM assumes)"
-                )
+            reach = "every local user" if is_loopback(host) else "other machines"
+            raise ValueError(
+                f"group URL {url!r} can be reached by {reach}, and vLLM's engine-core "
+                "protocol has no authentication: anyone who connects can claim a rank, "
+                "read its requests and inject outputs. Use an ipc:// URL for engines on "
+                "this machine that accept one, or pass insecure=True if everyone who can "
+                "reach it is trusted (as vLLM assumes; headless engines speak only tcp)"
+            )
         self.max_message_size = max_message_size
         self.size = size
         self.lockstep = lockstep
@@ -285,7 +286,7 @@ class VllmTransport(TransportBase):
             self._answer_bytes(identity, body)
         return math.inf
 
-    def _gate(self, rank: int) -> Callable[[int], bool] | None:
+    def _gate(self, rank: int) -> Callable[[int, list[bytes]], bool] | None:
         """Before the dispatcher drains `rank`'s output socket: read its monitor (a
         connection accepted after the rank's HELLO is its current incarnation's), then
         say which messages to keep. (Its death is judged by its input connection, which
@@ -296,12 +297,17 @@ class VllmTransport(TransportBase):
         one. Called by the dispatcher task, which owns the sockets and their monitors."""
         self._gating = True
         monitor, watch = self._output_watches[rank]
+        rejoining = rank in self._hello_due  # a close read now is a predecessor's
         while events := monitor.events():
             for event, fd in events:
                 if event == ACCEPTED:
                     watch.accepted(fd, rank if self._hello_seen[rank] else None)
-                else:
-                    watch.disconnected(fd)
+                elif watch.disconnected(fd) is not None and not rejoining:
+                    # The engine's own output connection closed (the last one, a MoE
+                    # engine has two). An engine that exited closes its input too;
+                    # one that lives had a message over max_message_size dropped with
+                    # the connection, and reconnected: either way outputs were lost.
+                    self._connection_lost(rank, OUTPUT_LOST.format(self.max_message_size))
         if (due := self._hello_due.pop(rank, None)) is not None:
             # Every connection accepted until now is a predecessor's (the monitor was
             # read just above); the new incarnation connects once it has its init.
@@ -309,7 +315,8 @@ class VllmTransport(TransportBase):
             self._deferred.append(due)
             self.handshake.kick()
         if watch.strays():
-            return watch.connections(rank).__contains__
+            current = watch.connections(rank)
+            return lambda fd, _frames: fd in current
         return None
 
     # -- the owning tasks ---------------------------------------------------------------

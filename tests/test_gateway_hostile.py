@@ -1,0 +1,374 @@
+"""The HTTP gateway against hostile or careless clients (issue 24), over real HTTP on
+hypercorn's trio worker; tests/test_gateway_hostile_asyncio.py checks the same on
+uvicorn. Each test names the finding it guards:
+
+* 5: a non-streaming answer is held whole, so it is bounded (`max_collected_tokens`,
+  `max_collected_chars`): a larger `max_tokens` is refused up front, an answer that
+  grows past the limits anyway is aborted on its rank;
+* 6: `model` is echoed in every chunk, so its length is bounded;
+* 7: hypercorn closes a `Connection: close` connection after a completion, and times
+  out an idle keep-alive one (the disconnect watcher no longer cancels the response
+  inside hypercorn's last `send()`);
+* 8: a rank header or a JSON number too long for `int()` is a 400, never a bare 500;
+* 9: a second SIGTERM answers live requests with a JSON 503 (an SSE error event for a
+  begun stream), with no traceback in the log, on both servers.
+
+Every test has its own `trio.fail_after`; nothing waits on the clock to synchronize.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from zmqdp.engine import Add
+from zmqdp.gateway import create_app
+from zmqdp.gateway.app import DEFAULT_MAX_COLLECTED_TOKENS
+
+from .gateway_helpers import (
+    BANNER_END,
+    aborted,
+    all_events,
+    events,
+    hold,
+    serve_command,
+    served_url,
+)
+from .test_gateway import FAST_MOCK, scripted, serving, stats
+
+# -- raw HTTP/1.1 -------------------------------------------------------------------------
+
+
+def _address(client: httpx.AsyncClient) -> tuple[str, int]:
+    url = client.base_url
+    assert url.host and url.port
+    return url.host, url.port
+
+
+def _post(body: dict[str, Any], *headers: bytes) -> bytes:
+    data = json.dumps(body).encode()
+    head = [b"POST /v1/completions HTTP/1.1", b"host: test", *headers]
+    head += [b"content-type: application/json", b"content-length: %d" % len(data)]
+    return b"\r\n".join(head) + b"\r\n\r\n" + data
+
+
+async def _read_until_eof(sock: trio.SocketStream) -> bytes:
+    data = b""
+    while chunk := await sock.receive_some():
+        data += chunk
+    return data
+
+
+async def _read_response(sock: trio.SocketStream, buffer: bytes = b"") -> tuple[bytes, bytes]:
+    """One response with a content-length: (head, body), and nothing read past it."""
+    while b"\r\n\r\n" not in buffer:
+        chunk = await sock.receive_some()
+        assert chunk, buffer
+        buffer += chunk
+    head, _, body = buffer.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = await sock.receive_some()
+        assert chunk, body
+        body += chunk
+    assert len(body) == length
+    return head, body
+
+
+# -- 5: a non-streaming answer is bounded --------------------------------------------------
+
+
+async def test_a_plain_request_past_the_collect_limit_is_a_400_naming_max_tokens() -> None:
+    app = create_app(mock=FAST_MOCK)
+    with trio.fail_after(5):
+        async with serving(app) as client:
+            response = await client.post(
+                "/v1/completions", json={"prompt": "hi", "max_tokens": 2**31 - 1}
+            )
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "max_tokens" and error["code"] == "invalid_request"
+            assert f"at most {DEFAULT_MAX_COLLECTED_TOKENS}" in error["message"]
+            assert '"stream": true' in error["message"]
+            assert stats(app).submitted == 0
+            # a stream is not collected (`max_buffered` bounds it): it is not limited
+            body = {"prompt": "hi", "max_tokens": 2**31 - 1, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as streamed:
+                assert streamed.status_code == 200
+                assert json.loads(await anext(events(streamed)))["choices"][0]["text"]
+            assert stats(app).submitted == 1
+
+
+@pytest.mark.parametrize(
+    ("limit", "reached"),
+    [({"max_collected_tokens": 5}, "5 tokens"), ({"max_collected_chars": 10}, "10 characters")],
+    ids=["tokens", "chars"],
+)
+async def test_a_plain_answer_past_the_collect_limit_is_aborted_with_a_502(
+    tmp_path: Path, limit: dict[str, int], reached: str
+) -> None:
+    """The engine sends 8 outputs (" t0" ... " t7") whatever `max_tokens` says: more
+    than asked for, or more text than the gateway holds. It is aborted on its rank.
+    (`max_tokens` 5 is at the token limit: taken.)"""
+    with trio.fail_after(5):
+        async with scripted(tmp_path, **limit) as (client, app, [engine]):
+            request = {**hold(tokens=8), "max_tokens": 5}
+            response = await client.post("/v1/completions", json=request)
+            assert response.status_code == 502, response.text
+            error = response.json()["error"]
+            request_id = response.headers["x-request-id"]
+            assert (error["type"], error["code"]) == ("engine_error", "response_too_large")
+            assert f"rank 0, request {request_id!r}" in error["message"]
+            assert f"past the {reached}" in error["message"]
+            await engine.wait_for(lambda: aborted(engine) == [engine.wire(request_id)])
+            assert stats(app).aborted == 1 and stats(app).ranks[0].inflight == 0
+
+
+def test_create_app_refuses_a_collect_limit_below_1() -> None:
+    with pytest.raises(ValueError, match="max_collected_tokens must be >= 1 or None"):
+        create_app(mock=FAST_MOCK, max_collected_tokens=0)
+
+
+# -- 6: the model name is bounded -----------------------------------------------------------
+
+
+async def test_a_model_name_past_256_characters_is_a_400_naming_model() -> None:
+    app = create_app(mock=FAST_MOCK)
+    with trio.fail_after(5):
+        async with serving(app) as client:
+            long = await client.post(
+                "/v1/completions", json={"prompt": "hi", "model": "m" * 257, "stream": True}
+            )
+            assert long.status_code == 400, long.text[:200]
+            error = long.json()["error"]
+            assert error["param"] == "model" and "257 characters" in error["message"]
+            assert len(long.content) < 500  # the name is not echoed in the error either
+            assert stats(app).submitted == 0
+            name = "m" * 256
+            request = {"prompt": "hi", "model": name, "max_tokens": 2, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=request) as response:
+                assert response.status_code == 200
+                data = await all_events(response)
+            assert data[-1] == "[DONE]"
+            assert {json.loads(d)["model"] for d in data[:-1]} == {name}
+
+
+# -- 7: hypercorn releases connections ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_connection_close_closes_the_connection_after_a_completion(stream: bool) -> None:
+    with trio.fail_after(5):
+        async with serving(create_app(mock=FAST_MOCK)) as client:
+            sock = await trio.open_tcp_stream(*_address(client))
+            async with sock:
+                body = {"prompt": "hi", "max_tokens": 3, "stream": stream}
+                await sock.send_all(_post(body, b"connection: close"))
+                data = await _read_until_eof(sock)  # hangs if the server keeps it open
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert (b"[DONE]" in rest) if stream else rest.endswith(b"}")
+
+
+async def test_an_idle_keep_alive_connection_times_out_after_completions() -> None:
+    """Two completions on one connection (keep-alive works), then the connection is idle
+    and hypercorn closes it after its `keep_alive_timeout`."""
+    with trio.fail_after(5):
+        async with serving(create_app(mock=FAST_MOCK), keep_alive_timeout=0.2) as client:
+            sock = await trio.open_tcp_stream(*_address(client))
+            async with sock:
+                for _ in range(2):
+                    await sock.send_all(_post({"prompt": "hi", "max_tokens": 2}))
+                    head, body = await _read_response(sock)
+                    assert head.startswith(b"HTTP/1.1 200 ")
+                    assert json.loads(body)["usage"]["completion_tokens"] == 2
+                assert await _read_until_eof(sock) == b""  # hangs if never timed out
+
+
+# -- 8: numbers too long for int() ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["1" * 4400, "1" * 10], ids=["4400-digits", "10-digits"])
+async def test_a_huge_rank_header_is_a_400_naming_the_header(tmp_path: Path, value: str) -> None:
+    with trio.fail_after(5):
+        async with scripted(tmp_path, 2) as (client, app, _):
+            response = await client.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 1},
+                headers={"X-Data-Parallel-Rank": value},
+            )
+            assert response.status_code == 400, response.text[:200]
+            error = response.json()["error"]
+            assert error["code"] == "invalid_rank"
+            assert (
+                "X-Data-Parallel-Rank" in error["message"]
+                and "at most 9 digits" in error["message"]
+            )
+            assert len(error["message"]) < 300
+            assert stats(app).submitted == 0
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "seed"])
+async def test_a_json_integer_too_long_to_parse_is_a_400(field: str) -> None:
+    """json.loads refuses an int of more than 4300 digits (Python's limit): a 400 that
+    says so, without the server-side advice of Python's message."""
+    body = b'{"prompt": "a", "%s": %s}' % (field.encode(), b"9" * 5000)
+    with trio.fail_after(5):
+        async with serving(create_app(mock=FAST_MOCK)) as client:
+            response = await client.post("/v1/completions", content=body)
+    assert response.status_code == 400, response.text[:200]
+    message = response.json()["error"]["message"]
+    assert "integer too long" in message and "set_int_max_str_digits" not in message
+
+
+async def test_an_error_quotes_a_bad_value_briefly() -> None:
+    bodies = [
+        {"prompt": "a", "max_tokens": [[[[1]]]] * 100_000},
+        {"prompt": "a", "stream": "s" * 100_000},
+        {"prompt": "a", "n": {"k": "v" * 100_000}},
+    ]
+    with trio.fail_after(5):
+        async with serving(create_app(mock=FAST_MOCK)) as client:
+            for body in bodies:
+                response = await client.post("/v1/completions", json=body)
+                assert response.status_code == 400
+                assert len(response.content) < 400, response.text[:400]
+
+
+# -- stop_now (9, in process) --------------------------------------------------------------------
+
+
+async def test_stop_now_answers_live_requests_503_and_aborts_them(tmp_path: Path) -> None:
+    with trio.fail_after(5):
+        async with scripted(tmp_path, 2) as (client, app, engines):
+            answers: list[httpx.Response] = []
+            last_events: list[str] = []
+
+            async def plain() -> None:
+                answers.append(
+                    await client.post(
+                        "/v1/completions", json=hold(), headers={"X-Data-Parallel-Rank": "0"}
+                    )
+                )
+
+            async def streamed(task_status: trio.TaskStatus[None]) -> None:
+                request = {**hold(tokens=1), "stream": True}
+                headers = {"X-Data-Parallel-Rank": "1"}
+                async with client.stream(
+                    "POST", "/v1/completions", json=request, headers=headers
+                ) as response:
+                    stream = events(response)
+                    assert json.loads(await anext(stream))["choices"][0]["text"] == " t0"
+                    task_status.started()
+                    last_events.extend([d async for d in stream])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(plain)
+                await nursery.start(streamed)
+                await engines[0].wait_for(lambda: bool(engines[0].held))
+                app.stop_now()
+            [answer] = answers
+            assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+            error = answer.json()["error"]
+            assert error["code"] == "shutting_down" and "on rank 0" in error["message"]
+            assert answer.headers["x-request-id"] in error["message"]
+            [last] = last_events  # no [DONE]
+            assert json.loads(last)["error"]["code"] == "shutting_down"
+            for engine in engines:
+                [wire] = [m.id for m in engine.inbox if isinstance(m, Add)]
+                await engine.wait_for(lambda e=engine, w=wire: aborted(e) == [w])
+            late = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert late.status_code == 503
+            await app.wait_drained()
+            assert stats(app).aborted == 2
+
+
+# -- 9: the second SIGTERM of `serve` --------------------------------------------------------
+
+
+async def check_second_sigterm(server: str, tmp_path: Path) -> None:
+    """`serve --mock --server <server>` with 2 plain and 2 streaming requests live:
+    SIGTERM (a drain: they go on), SIGTERM again: each is answered with a JSON 503
+    (`shutting_down`), or a last SSE error event; the process exits 0 and logs no
+    traceback."""
+    errors = tmp_path / "stderr"
+    with errors.open("wb") as stderr:
+        proc = await trio.lowlevel.open_process(
+            serve_command("--server", server, "--log-level", "INFO"),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,  # a process group: a failed test kills its mock too
+        )
+    try:
+        assert proc.stdout is not None
+        out = b""
+        while BANNER_END not in out:
+            data = await proc.stdout.receive_some()
+            assert data, out
+            out += data
+        plain: list[httpx.Response] = []
+        streamed: list[str] = []
+        body = {"prompt": "hi", "max_tokens": 100_000}
+        async with (
+            httpx.AsyncClient(base_url=served_url(out), timeout=15) as client,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def post() -> None:
+                plain.append(await client.post("/v1/completions", json=body))
+
+            async def stream(task_status: trio.TaskStatus[None]) -> None:
+                request = {**body, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=request) as response:
+                    assert response.status_code == 200
+                    data = events(response)
+                    await anext(data)
+                    task_status.started()
+                    streamed.append([d async for d in data][-1])
+
+            for _ in range(2):
+                nursery.start_soon(post)
+                await nursery.start(stream)
+            while (await client.get("/health")).json()["inflight"] < 4:
+                pass
+            proc.send_signal(signal.SIGTERM)
+            while (await client.get("/ready")).status_code == 200:
+                pass  # the first signal was handled: a drain, requests go on
+            proc.send_signal(signal.SIGTERM)
+        assert await proc.wait() == 0
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    log = errors.read_text(errors="replace")
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert len(plain) == 2 and len(streamed) == 2
+    for response in plain:
+        assert response.status_code == 503, response.text
+        assert response.headers["content-type"] == "application/json"
+        assert response.json()["error"]["code"] == "shutting_down"
+    for last in streamed:
+        assert json.loads(last)["error"]["code"] == "shutting_down"
+
+
+@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+async def test_a_second_sigterm_answers_live_requests_503_without_tracebacks(
+    server: str, tmp_path: Path
+) -> None:
+    with trio.fail_after(15):
+        await check_second_sigterm(server, tmp_path)
