@@ -514,8 +514,12 @@ async def test_lockstep_group_fails_whole_for_every_cause(tmp_path: Path, cause:
     url = f"ipc://{tmp_path}/g"
     async with trio.open_nursery() as nursery:
         engines = await start_engines(nursery, url, 2, lockstep=True)
+        # A second process for rank 1 while the first is connected is held and refused
+        # once heartbeats show the first alive (issue 24 #2); without heartbeats the
+        # newest wins, which is how this test makes rank 1 say HELLO again.
+        heartbeats = {"heartbeat_interval": None} if cause == "rejoin" else {}
         async with EngineGroup.connect(
-            url, 2, ready_timeout=READY_TIMEOUT, silence_timeout=0.5
+            url, 2, ready_timeout=READY_TIMEOUT, silence_timeout=0.5, **heartbeats
         ) as g:
             s0 = g.submit(Request("a", {"hold": True}, rank=0))
             s1 = g.submit(Request("b", {"hold": True}, rank=1))

@@ -378,7 +378,9 @@ async def test_two_processes_claiming_one_rank_are_reported_once(
     caplog.set_level(logging.ERROR, logger="zmqdp")
     async with trio.open_nursery() as nursery:
         await start_engines(nursery, url, 2)
-        async with EngineGroup.connect(url, 2, ready_timeout=10) as group:
+        # Without heartbeats the newest process wins (with them, a second process is
+        # refused while the first lives: tests/test_hostile_round2.py).
+        async with EngineGroup.connect(url, 2, ready_timeout=10, heartbeat_interval=None) as group:
             for _ in range(2):  # a second, then a third process says it is rank 1
                 await nursery.start(ScriptedEngine(url, 1, 2).run)
                 await group.rank_state(1).wait_value(RankState.UP)

@@ -18,9 +18,18 @@ import pytest
 import trio
 import zmq
 
-from zmqdp import EngineDead, EngineGroup, HandshakeTimeout, Output, RankState, Request
+from zmqdp import (
+    EngineDead,
+    EngineGroup,
+    HandshakeRejected,
+    HandshakeTimeout,
+    Output,
+    RankState,
+    Request,
+)
 from zmqdp._core.codec import decode_request
 from zmqdp._core.handshake import rank_identity
+from zmqdp._core.messages import Reject
 from zmqdp.engine import Abort, Add
 from zmqdp.keys import generate_keys, load_client_keys, load_engine_keys
 
@@ -197,6 +206,8 @@ async def test_an_output_over_max_message_size_ends_its_request_with_the_rank(
 # is gone after heartbeat_interval + heartbeat_timeout more.)
 
 RETURN_BOUND = 5.0
+FAST_HEARTBEATS = {"heartbeat_interval": 0.1, "heartbeat_timeout": 0.6}
+"""A second process is judged within 0.7 s."""
 
 
 async def _served_again(group: EngineGroup, rank: int) -> None:
@@ -206,17 +217,45 @@ async def _served_again(group: EngineGroup, rank: int) -> None:
         assert await collect(group, Request("back", "hi", rank)) == [Output("back", "hi", "stop")]
 
 
-async def test_a_duplicate_process_is_reported_and_the_original_returns_after_it_stops(
+async def test_a_second_process_for_a_live_rank_is_refused_and_the_first_serves_on(
     tmp_path: Path,
 ) -> None:
-    """A second engine for rank 0 takes the rank's identity on every socket; the
-    original's connections are left open with no route (zombies). It used to go
-    unreported, and once the duplicate stopped, every RESYNC found no route: rank 0
-    never came back."""
+    """A second engine for rank 0 takes the rank's identity on the handshake socket
+    (ROUTER_HANDOVER) and says HELLO. It used to become rank 0 at once, unreported,
+    ending the first engine's requests. Its HELLO is now held while heartbeats judge
+    the first engine's connection, and refused since it stays alive: the first keeps
+    the rank and its request."""
+    url = f"ipc://{tmp_path}/g"
+    async with trio.open_nursery() as nursery:
+        engines = await start_engines(nursery, url, 2)
+        async with EngineGroup.connect(url, 2, ready_timeout=10, **FAST_HEARTBEATS) as group:
+            async with group.submit(Request("held", {"hold": True}, 0)) as stream:
+                await wait_until(engines[0].holds, "held")
+                with pytest.raises(HandshakeRejected, match="served by another engine process"):
+                    await ScriptedEngine(url, 0, 2).run()
+                assert group.statistics().identity_conflicts == 1
+                assert group.rank_state(0).value is RankState.UP
+                await engines[0].finish("held")
+                assert [out.body async for out in stream] == ["done"]
+            # the second process left; its connection had the route: the client restores
+            # the first engine's when it needs it (no RESYNC is needed while it serves)
+            assert await collect(group, Request("still", "hi", 0)) == [
+                Output("still", "hi", "stop")
+            ]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_duplicate_without_heartbeats_takes_over_and_the_original_returns(
+    tmp_path: Path,
+) -> None:
+    """Without heartbeats nothing can judge the incumbent, so the newest process wins
+    (as before), reported; the original's connections are left open with no route
+    (zombies). Once the duplicate stopped, every RESYNC used to find no route, and rank
+    0 never came back: the client now ends the zombie so that it reconnects."""
     url = f"ipc://{tmp_path}/g"
     async with trio.open_nursery() as nursery:
         await start_engines(nursery, url, 2)
-        async with EngineGroup.connect(url, 2, ready_timeout=10) as group:
+        async with EngineGroup.connect(url, 2, ready_timeout=10, heartbeat_interval=None) as group:
             duplicate = trio.CancelScope()
             nursery.start_soon(_run_in, duplicate, ScriptedEngine(url, 0, 2))
             await wait_until(lambda: group.statistics().identity_conflicts == 1)
@@ -233,12 +272,12 @@ async def _run_in(scope: trio.CancelScope, engine: ScriptedEngine) -> None:
         await engine.run()
 
 
-async def test_a_replayed_key_that_takes_rank_0_and_leaves_gives_rank_0_back(
+async def test_a_replayed_key_is_refused_while_the_real_rank_lives(
     ctx: Any, tmp_path: Path
 ) -> None:
-    """CURVE: an intruder with a copy of rank 0's key pair does the whole handshake as
-    rank 0 (nothing to tell it from the real one), then leaves. The real rank 0 used
-    to stay cut off for good."""
+    """CURVE: an intruder with a copy of rank 0's key pair says HELLO as rank 0 (nothing
+    tells it from the real one). It used to take rank 0 for good. It is now refused
+    while the real engine lives, which keeps serving, also after the intruder left."""
     generate_keys(tmp_path / "keys", 2)
     client = load_client_keys(tmp_path / "keys")
     keys = [load_engine_keys(tmp_path / "keys", r) for r in range(2)]
@@ -246,17 +285,18 @@ async def test_a_replayed_key_that_takes_rank_0_and_leaves_gives_rank_0_back(
     async with trio.open_nursery() as nursery:
         for r in range(2):
             nursery.start_soon(echo, url, r, 2, keys[r])
-        async with EngineGroup.connect(url, 2, curve=client, ready_timeout=10) as group:
+        async with EngineGroup.connect(
+            url, 2, curve=client, ready_timeout=10, **FAST_HEARTBEATS
+        ) as group:
             intruder = RawEngine(ctx, url, 0, 2, options=curve_options(keys[0]))
-            await intruder.handshake()
-            await wait_until(lambda: group.statistics().identity_conflicts == 1)
+            assert isinstance(await intruder.hello(), Reject)
+            assert group.statistics().identity_conflicts == 1
             intruder.close()
-            await group.rank_state(0).wait_value(RankState.DOWN)
             with trio.fail_after(RETURN_BOUND):
-                await group.rank_state(0).wait_value(RankState.UP)
-                assert await collect(group, Request("back", "hi", 0)) == [
-                    Output("back", {"rank": 0, "echo": "hi"}, "stop")
+                assert await collect(group, Request("real", "hi", 0)) == [
+                    Output("real", {"rank": 0, "echo": "hi"}, "stop")
                 ]
+            assert group.rank_state(0).value is RankState.UP
         nursery.cancel_scope.cancel()
 
 
@@ -280,3 +320,17 @@ async def test_an_output_socket_taken_over_kills_the_rank_which_returns(
             await stream.receive()
         intruder.close()
         await _served_again(group, 0)
+
+
+# -- what a peer can make the client buffer (found by the campaign) --------------------
+
+
+async def test_control_sockets_take_only_small_messages(tmp_path: Path) -> None:
+    """libzmq buffers a message being received in full: a peer that sends all of a
+    64 MiB HELLO but its last bytes held 64 MiB per connection. The handshake and input
+    sockets carry small messages only."""
+    async with group_of(tmp_path, 1) as (group, _):
+        transport = group._transport
+        assert transport.handshake.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+        assert transport.input.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+        assert transport.output.members[0].sock.getsockopt(zmq.MAXMSGSIZE) == 64 << 20

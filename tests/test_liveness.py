@@ -105,6 +105,27 @@ async def test_a_stopped_engine_is_dead_after_the_heartbeat_timeout(
         assert outs[-1].finish == "length"
 
 
+@pytest.mark.timeout_s(60)
+async def test_a_restart_while_the_old_process_is_stopped_waits_for_its_heartbeats(
+    tmp_path: Path,
+) -> None:
+    """Natively a HELLO for a rank whose engine's connection is still open is held
+    while heartbeats judge that engine (a live one keeps its rank against a second
+    process, issue 24 #2): a stopped one misses them, so the restart is admitted within
+    heartbeat_interval + heartbeat_timeout."""
+    wire = Wire("native")
+    url = wire.url(tmp_path)
+    async with ranks(wire, url, 2) as procs, wire.connect(url, 2, **HEARTBEAT) as group:
+        os.kill(procs[1].pid, signal.SIGSTOP)  # its sockets stay open
+        async with wire.engine(url, 2, 1):
+            await down(group, 1)  # by the heartbeats, not by the newcomer's HELLO
+            with trio.fail_after(BOUND):
+                await group.rank_state(1).wait_value(RankState.UP)
+            outs = await finish(group, wire.request("new", 3, rank=1))
+            assert outs[-1].finish == "length"
+            assert group.statistics().identity_conflicts == 0
+
+
 @pytest.mark.timeout_s(90)
 @pytest.mark.parametrize("wire", WIRES)
 async def test_a_restarted_rank_rejoins_without_restarting_the_client(

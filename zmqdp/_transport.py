@@ -9,9 +9,15 @@ exactly one owning task:
   every HELLO with INIT or REJECT (through `HandshakeState`), records READY (an invalid
   one is answered with REJECT), reports a rank that came up and a HELLO that was a
   rejoin, and sends RESYNC about once a second to every rank the group is waiting for
-  (docs/protocol.md §2.5; a RESYNC to an identity that is not connected fails with
-  EHOSTUNREACH and is ignored). Rejoins can come at any time, so this task never stops
-  while the group is open.
+  (docs/protocol.md §2.5). Rejoins can come at any time, so this task never stops
+  while the group is open. Every ROUTER hands a rank's identity to its newest
+  connection (`ROUTER_HANDOVER`, so that a restart works), which leaves the displaced
+  one open with no route. So a HELLO for a rank whose connection is still open is held
+  while the heartbeats judge that connection (`_contests`, `_settle`): admitted if it
+  closes, refused if it stays (a second process). A RESYNC that finds no route (or
+  three that get no HELLO) makes the task end the rank's earlier, displaced
+  connections (`_restore_route`, `_zmq.shutdown_connection`): the engine reconnects
+  and hears the next one.
 * `serve_input` owns the input ROUTER. It sends what other tasks `send()` (ADD, ABORT,
   WAKE, CALL frames go into a per-rank queue, `_core/outbox.py`; the owner is kicked
   awake) and receives the REGISTER messages that complete a rank's handshake, also at
@@ -25,7 +31,12 @@ exactly one owning task:
   `heartbeat_timeout`: a stopped process), the rank is reported dead at once
   (`listener.connection_lost`), idle or not. Engines keep their handshake connection
   for their whole life (they must hear RESYNC on it, §2.5).
-* The output ROUTER is handed to the caller (the dispatcher), which claims it.
+* The output ROUTER is handed to the caller (the dispatcher), which claims it, as a
+  `ZSocketSet` with its connection monitor: before each drain the dispatcher reads the
+  monitor (`_output_gate`), ties each rank to the connection that delivered its
+  messages since its HELLO (`_output_claim`), and the close of that connection, or a
+  second connection delivering for the rank, is the rank's connection error: outputs
+  were lost (a message over `max_message_size` is dropped with its connection).
 * With CURVE keys (`curve=`), `serve_zap` owns a ZAP socket bound in the transport's
   own context before any ROUTER binds, and answers libzmq's question about every new
   connection from the allow-list (`_core/auth.py`). Every ROUTER then also checks each
@@ -122,6 +133,12 @@ dispatcher's batches, and its throughput by a third, measured) and at most 1000.
 CONTROL_HWM = 16
 """RCVHWM of the handshake and input sockets, which carry a few messages per
 incarnation: one peer can make them hold at most this many messages."""
+
+CONTROL_MAX_MESSAGE = 1 << 20
+"""MAXMSGSIZE of the handshake and input sockets (at most `max_message_size`): HELLO,
+READY and REGISTER are small, and libzmq buffers a message being received in full, so
+a peer that sends all of a large one but its last bytes holds that much per
+connection."""
 
 
 def output_hwm(max_message_size: int) -> int:
@@ -412,6 +429,7 @@ class TransportBase:
             self._watch_connections()
             if self._watch.connections(rank) - {fd}:
                 self._duplicates += 1
+                # (heartbeats off: nothing can judge the incumbent, the newest wins)
                 log.error(
                     "rank %d: a new engine process said HELLO while the connection of the "
                     "current one is still open: a second process runs as rank %d (a copied "
@@ -695,6 +713,14 @@ class TransportBase:
         self._closed()
 
 
+@dataclass(frozen=True, slots=True)
+class _HeldHello:
+    identity: bytes
+    hello: Hello
+    fd: int
+    deadline: float
+
+
 class GroupTransport(TransportBase):
     """Bound client sockets of one group. Use `open_group_transport`."""
 
@@ -776,6 +802,8 @@ class GroupTransport(TransportBase):
             resync_interval=resync_interval,
         )
         self._resyncs = 0
+        self._held: dict[int, _HeldHello] = {}
+        """Rank -> a HELLO held while its current engine's connection is open."""
         self._resync_body = encode_handshake(Resync())
         self._init_base([rank_identity(r) for r in range(size)], listener, send_timeout)
 
@@ -786,7 +814,10 @@ class GroupTransport(TransportBase):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        if name == "output":
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        else:
+            sock.setsockopt(zmq.MAXMSGSIZE, min(max_message_size, CONTROL_MAX_MESSAGE))
         hwm = output_hwm(max_message_size) if name == "output" else CONTROL_HWM
         sock.setsockopt(zmq.RCVHWM, hwm)
         if name == "handshake":  # the watched socket (its queue holds a few messages)
@@ -939,7 +970,7 @@ class GroupTransport(TransportBase):
             except zmq.ZMQError:
                 # Not connected (yet): the next RESYNC may find it. Or displaced.
                 self._restore_route(rank, "its RESYNC found no route")
-        next_at: float = self.state.next_resync()
+        next_at: float = min(self.state.next_resync(), self._settle(now))
         return next_at
 
     def _on_handshake_message(self, frames: list[bytes], fd: int) -> None:
@@ -988,7 +1019,72 @@ class GroupTransport(TransportBase):
                 identity.hex(),
             )
 
+    def _contests(self, identity: bytes, hello: Hello | ProtocolError, fd: int) -> bool:
+        """A valid HELLO of a rank whose current handshake connection is still open,
+        on another connection: a second process for the rank, or a restart while the
+        old process is stopped or its close is not seen yet. Hold it (`_settle`) while
+        the heartbeats judge the incumbent: the incumbent keeps the rank if it lives."""
+        rank = identity_rank(identity)
+        if (
+            not isinstance(hello, Hello)
+            or fd < 0
+            or rank is None
+            or rank >= self.size
+            or self.heartbeat_interval is None  # nothing would ever judge the incumbent
+        ):
+            return False
+        self._watch_connections()
+        current = self._watch.connections(rank)
+        if not current or fd in current:
+            return False
+        if rank not in self._held:
+            log.warning(
+                "rank %d: HELLO from a second connection while the current engine's is "
+                "open: held until that one closes, or refused after %.1f s if it stays",
+                rank,
+                self.heartbeat_interval + self.heartbeat_timeout,
+            )
+        deadline = trio.current_time() + self.heartbeat_interval + self.heartbeat_timeout
+        self._held[rank] = _HeldHello(identity, hello, fd, deadline)
+        self.handshake.kick()  # the task's next wait must end by the deadline
+        return True
+
+    def _settle(self, now: float) -> float:
+        """(Handshake task.) Decide the held HELLOs that can be decided; return when to
+        look again. The incumbent's connection closed: the newcomer is a restart and is
+        admitted. It stayed open past the heartbeat timeout: the newcomer is a second
+        process and is refused (REJECT goes to it: it holds the identity's route now)."""
+        next_at = math.inf
+        if self._held:
+            self._watch_connections()  # a close that decides it may have just come
+        for rank, held in list(self._held.items()):
+            if held.fd not in self._watch:  # the newcomer left
+                del self._held[rank]
+            elif not self._watch.connections(rank):
+                del self._held[rank]
+                self._answer_hello(held.identity, held.hello, held.fd)
+            elif now >= held.deadline:
+                del self._held[rank]
+                self._duplicates += 1
+                reason = (
+                    f"rank {rank} is served by another engine process, which is alive "
+                    "(its connection stays open and answers heartbeats); exactly one "
+                    "engine may run as a rank"
+                )
+                log.error(
+                    "rank %d: refused a second engine process for the rank: the current "
+                    "one lives (statistics().identity_conflicts)",
+                    rank,
+                )
+                self.state.rejections += 1
+                self._answer(held.identity, Reject(reason))
+            else:
+                next_at = min(next_at, held.deadline)
+        return next_at
+
     def _answer_hello(self, identity: bytes, hello: Hello | ProtocolError, fd: int) -> None:
+        if self._contests(identity, hello, fd):
+            return
         verdict = self.state.on_hello(identity, hello, trio.current_time())
         if verdict.conflict is not None:
             log.error(

@@ -50,7 +50,7 @@ from .._addresses import is_loopback
 from .._core.errors import ProtocolError
 from .._core.liveness import ConnectionWatch
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
-from .._transport import OUTPUT_LOST, TransportBase, TransportListener
+from .._transport import CONTROL_MAX_MESSAGE, OUTPUT_LOST, TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
 from .._zmq import ACCEPTED, Monitor, ZSocket, ZSocketSet, handshake_deadline, heartbeat
 from .codec import (
@@ -233,7 +233,10 @@ class VllmTransport(TransportBase):
             sock.setsockopt(zmq.RCVHWM, 0)  # as vLLM: engines never block on us
             # A frame past it drops the peer's connection (libzmq): one engine cannot
             # make the client hold an arbitrarily large message.
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
+            limit = self.max_message_size
+            if kind == zmq.ROUTER:  # handshake and input: small messages (ready, HELLO)
+                limit = min(limit, CONTROL_MAX_MESSAGE)
+            sock.setsockopt(zmq.MAXMSGSIZE, limit)
         if watched:
             self._watch_socket(zs)  # before it binds: no connection goes unreported
         if kind == zmq.PULL:  # a rank's output socket: the dispatcher reads its monitor
