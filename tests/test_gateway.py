@@ -14,6 +14,7 @@ conftest.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -301,7 +302,7 @@ async def test_unknown_routes_and_methods() -> None:
 async def test_a_failing_dialect_is_a_json_500_naming_the_request() -> None:
     class Broken(MockDialect):
         def prepare(self, request: CompletionRequest) -> Prepared:
-            raise TypeError("a bug in the dialect")
+            raise TypeError("a bug in the dialect reading /secret/model.bin")
 
     app = create_app(mock=FAST_MOCK, dialect=Broken())
     async with serving(app) as client:
@@ -310,8 +311,28 @@ async def test_a_failing_dialect_is_a_json_500_naming_the_request() -> None:
     error = response.json()["error"]
     assert error["code"] == "dialect_failed"
     assert response.headers["x-request-id"] in error["message"]
-    assert "TypeError: a bug in the dialect" in error["message"]
+    assert "TypeError" in error["message"]
+    assert "/secret" not in error["message"]  # the details go to the log only (issue 24)
     assert stats(app).submitted == 0
+
+
+async def test_an_unexpected_error_from_a_stream_shows_its_type_only() -> None:
+    """A dialect's `decode` that raises: the client gets a JSON 500 with the error's
+    type, never its text (a path, a prompt), which the gateway logs."""
+
+    def broken(_output: Any) -> Any:
+        raise RuntimeError("decode failed reading /secret/model.bin prompt=x")
+
+    class Broken(MockDialect):
+        def prepare(self, request: CompletionRequest) -> Prepared:
+            return dataclasses.replace(super().prepare(request), decode=broken)
+
+    app = create_app(mock=FAST_MOCK, dialect=Broken())
+    async with serving(app) as client:
+        response = await client.post("/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 500, response.text
+    message = response.json()["error"]["message"]
+    assert "RuntimeError" in message and "/secret" not in message
 
 
 async def test_a_body_past_the_limit_is_a_413() -> None:

@@ -209,8 +209,8 @@ async def handle_completion(
                     500,
                     "internal_error",
                     "dialect_failed",
-                    f"request {request_id!r}: the dialect failed: {type(exc).__name__}: "
-                    f"{str(exc)[:MESSAGE_QUOTE]}",
+                    f"request {request_id!r}: the dialect failed ({type(exc).__name__}); "
+                    "the gateway's log has the details",
                 ) from None
             if group is None:
                 raise HTTPError(

@@ -114,4 +114,11 @@ def http_error(exc: BaseException, *, retry_after: int, size: int) -> HTTPError:
         return HTTPError(502, "engine_error", "truncated", message)
     if isinstance(exc, StreamOverflow):
         return HTTPError(500, "internal_error", "stream_overflow", message)
-    return HTTPError(500, "internal_error", "internal_error", f"internal error: {message[:200]}")
+    # Not one of ours: its text may hold anything (a path, a prompt), so the client gets
+    # its type only; the caller logs the whole of it.
+    return HTTPError(
+        500,
+        "internal_error",
+        "internal_error",
+        f"internal error ({type(exc).__name__}); the gateway's log has the details",
+    )
