@@ -33,9 +33,11 @@ SCRIPTS = [
     "bench_lat_delivery_latency.py",
     "bench_gateway.py",
     "bench_v1_vllm_delivery.py",
+    "bench_vs_vllm.py",
     "bench_liveness.py",
 ]
 ORDER = ["P1a", "P1a'", "P1b", "P2", "P3", "P4", "P6", "lat", "P5", "V1"]
+ORDER += ["P7a", "P7b", "P7cpu", "P7c"]  # bench_vs_vllm.py: zmqdp ÷ vLLM's own DP client
 ORDER += ["G32t", "G256t", "G32a", "G256a"]  # bench_gateway.py: HTTP ÷ direct (context)
 # bench_liveness.py: death -> DOWN, max ÷ bound (native/vllm, kill/stop, idle/busy)
 ORDER += [f"L{w}{f}{load}" for w in "nv" for f in "ks" for load in "ib"]

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -121,6 +122,17 @@ def serve_command(*options: str) -> list[str]:
 
 BANNER_END = b"try: curl"
 """`serve` has printed its URL once its output holds this."""
+
+
+async def read_banner(proc: trio.Process) -> bytes:
+    """What `serve` (started with `stdout=PIPE`) printed, up to its banner."""
+    assert proc.stdout is not None
+    out = b""
+    while BANNER_END not in out:
+        data = await proc.stdout.receive_some()
+        assert data, out
+        out += data
+    return out
 
 
 def served_url(banner: bytes) -> str:

@@ -26,6 +26,8 @@ def test_every_benchmark_runs_and_reports_its_rows(tmp_path: Path) -> None:
     text = out.read_text()
     gateway = ("G32t", "G256t", "G32a", "G256a")  # bench_gateway.py
     liveness = ("Lnki", "Lnsb", "Lvki", "Lvsb")  # bench_liveness.py (of its 8)
-    for row in ("P1a", "P1b", "P2", "P3", "P4", "P5", "P6", "lat", "V1", *gateway, *liveness):
+    vs_vllm = ("P7a", "P7b", "P7cpu", "P7c")  # bench_vs_vllm.py (skipped without .venv-vllm)
+    rows = ("P1a", "P1b", "P2", "P3", "P4", "P5", "P6", "lat", "V1", *gateway, *liveness, *vs_vllm)
+    for row in rows:
         assert f"| {row} |" in text and f"| {row} | (not run)" not in text, row
     assert len(list((tmp_path / "plots").glob("*.png"))) >= 5

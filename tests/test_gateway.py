@@ -38,7 +38,6 @@ from zmqdp.gateway import CompletionRequest, GatewayApp, MockDialect, Prepared, 
 from zmqdp.mock import MockConfig
 
 from .gateway_helpers import (
-    BANNER_END,
     Metrics,
     ScriptDialect,
     TokenEngine,
@@ -47,6 +46,7 @@ from .gateway_helpers import (
     check_sigterm_drain,
     events,
     hold,
+    read_banner,
     serve_command,
     served_url,
 )
@@ -630,12 +630,7 @@ async def test_serve_drains_on_sigterm_then_exits_0() -> None:
         serve_command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
-        assert proc.stdout is not None
-        out = b""
-        while BANNER_END not in out:
-            data = await proc.stdout.receive_some()
-            assert data, out
-            out += data
+        out = await read_banner(proc)
         await check_sigterm_drain(served_url(out), lambda: proc.send_signal(signal.SIGTERM))
         assert await proc.wait() == 0
     finally:

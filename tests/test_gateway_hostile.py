@@ -35,11 +35,11 @@ from zmqdp.gateway import create_app
 from zmqdp.gateway.app import DEFAULT_MAX_COLLECTED_TOKENS
 
 from .gateway_helpers import (
-    BANNER_END,
     aborted,
     all_events,
     events,
     hold,
+    read_banner,
     serve_command,
     served_url,
 )
@@ -313,12 +313,7 @@ async def check_second_sigterm(server: str, tmp_path: Path) -> None:
             start_new_session=True,  # a process group: a failed test kills its mock too
         )
     try:
-        assert proc.stdout is not None
-        out = b""
-        while BANNER_END not in out:
-            data = await proc.stdout.receive_some()
-            assert data, out
-            out += data
+        out = await read_banner(proc)
         plain: list[httpx.Response] = []
         streamed: list[str] = []
         body = {"prompt": "hi", "max_tokens": 100_000}

@@ -542,9 +542,14 @@ async def test_an_invalid_hello_from_an_up_rank_is_a_rejoin_and_a_reject(
         assert "said HELLO again (rejoin)" in info.value.cause
         assert group.engines[1].state is RankState.DOWN
         assert (await collect(group, Request("s", "x", rank=0)))[0].body == "x"
-        # (Rank 1 does not come back here: ROUTER_HANDOVER gave its handshake
-        # identity to the intruder and orphaned the real engine's connection, which
-        # libzmq never closes, so no RESYNC can reach that engine.)
+        # ROUTER_HANDOVER gave rank 1's handshake identity to the intruder and left the
+        # real engine's connection open with no route. Once the intruder left, the
+        # RESYNC found no route, so the client ended that connection: the engine
+        # reconnected, heard the next RESYNC and came back (issue 24 #2).
+        with trio.fail_after(5):
+            await group.rank_state(1).wait_value(RankState.UP)
+        assert (await collect(group, Request("t", "y", rank=1)))[0].body == "y"
+        assert group.statistics().routes_restored >= 1
 
 
 async def test_an_invalid_ready_is_rejected_as_ready(ctx: Any, tmp_path: Path) -> None:

@@ -445,18 +445,24 @@ class TransportBase:
             else:
                 self._history.setdefault(rank, set()).add(fd)
 
-    def _restore_route(self, rank: int, why: str) -> None:
+    def _restore_route(self, rank: int, why: str, *, unroutable: bool) -> None:
         """(The watched socket's owner.) A RESYNC for `rank` found no route, or no
         answer: an engine of the rank that `ROUTER_HANDOVER` displaced (a duplicate or
         a replayed key took its identity, and then left or sits idle) keeps a connection
         libzmq will neither close nor route to, so it never hears anything again. End
         those connections: its DEALER reconnects, takes the identity back (the newest
-        connection wins) and the next RESYNC reaches it."""
+        connection wins) and the next RESYNC reaches it. `unroutable`: no connection
+        holds the identity, so every one of the rank's that is still open is displaced
+        (even one still claimed: an intruder's invalid HELLO is a rejoin that leaves the
+        real engine's claimed); otherwise only those nobody claims (the rank's own
+        engine may just be slow to answer)."""
         self._watch_connections()
         ended = [
             fd
             for fd in sorted(self._history.get(rank, ()))
-            if fd in self._watch and self._watch.owner(fd) is None and shutdown_connection(fd)
+            if fd in self._watch
+            and (unroutable or self._watch.owner(fd) is None)
+            and shutdown_connection(fd)
         ]
         if ended:
             self._routes_restored += 1
@@ -966,10 +972,11 @@ class GroupTransport(TransportBase):
                         # Routable, yet nobody answers: whoever holds the rank's identity
                         # is not a live engine of ours (an idle intruder, a zombie)
                         self._unanswered[rank] = 0
-                        self._restore_route(rank, f"{unanswered} RESYNCs got no HELLO")
+                        why = f"{unanswered} RESYNCs got no HELLO"
+                        self._restore_route(rank, why, unroutable=False)
             except zmq.ZMQError:
                 # Not connected (yet): the next RESYNC may find it. Or displaced.
-                self._restore_route(rank, "its RESYNC found no route")
+                self._restore_route(rank, "its RESYNC found no route", unroutable=True)
         next_at: float = min(self.state.next_resync(), self._settle(now))
         return next_at
 
@@ -1031,6 +1038,7 @@ class GroupTransport(TransportBase):
             or rank is None
             or rank >= self.size
             or self.heartbeat_interval is None  # nothing would ever judge the incumbent
+            or self.state.hello_problem(identity, hello) is not None  # REJECT, a rejoin
         ):
             return False
         self._watch_connections()

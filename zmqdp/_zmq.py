@@ -563,8 +563,11 @@ class Monitor:
 
     def events(self) -> list[tuple[int, int]]:
         """Up to 1024 of what happened since the last call, in order: `(ACCEPTED or
-        DISCONNECTED, fd)` (call again until it returns none: libzmq stops accepting
-        connections while about a thousand events wait unread)."""
+        DISCONNECTED, fd)` (call again until it returns none). While about a thousand
+        events wait unread, libzmq blocks the I/O thread that emits them, and with it
+        every socket that thread serves, heartbeat answers included: the owner reads
+        them before every wait, and a flood of connections during a long stall of the
+        owner's loop could hold up the whole group (second adversarial campaign)."""
         out = []
         for frames in self.zs.receive_nowait(1024):
             if len(frames) != 2 or len(frames[0]) != 6:

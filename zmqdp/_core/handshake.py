@@ -185,48 +185,44 @@ class HandshakeState:
 
     # -- events -----------------------------------------------------------------------
 
-    def on_hello(
-        self, identity: bytes, hello: Hello | ProtocolError, now: float = 0.0
-    ) -> HelloVerdict:
-        """A HELLO (or a handshake message that failed to decode) from `identity`."""
+    def hello_problem(self, identity: bytes, hello: Hello | ProtocolError) -> str | None:
+        """Why `on_hello` would REJECT this HELLO (the reason), or None if it is valid.
+        Changes nothing."""
         who = f"identity {identity.hex() or '(empty)'}"
         rank = identity_rank(identity)
         if isinstance(hello, ProtocolError):
             what = "HELLO" if hello.message in (None, "hello") else quote(hello.message)
-            return self._reject_at(now, rank, f"{who}: invalid {what}: {hello.cause}")
+            return f"{who}: invalid {what}: {hello.cause}"
         if hello.version != PROTOCOL_VERSION:
-            return self._reject_at(
-                now,
-                rank,
+            return (
                 f"{who} (rank {hello.rank}): protocol version {hello.version} is not "
-                f"supported; this client speaks version {PROTOCOL_VERSION}",
+                f"supported; this client speaks version {PROTOCOL_VERSION}"
             )
         if rank is None:
-            return self._reject_at(
-                now, None, f"{who}: the identity must be the rank as 2 little-endian bytes"
-            )
+            return f"{who}: the identity must be the rank as 2 little-endian bytes"
         if hello.rank != rank:
-            return self._reject_at(
-                now, rank, f"{who}: HELLO says rank {hello.rank} but the identity is rank {rank}"
-            )
+            return f"{who}: HELLO says rank {hello.rank} but the identity is rank {rank}"
         if not 0 <= rank < self.size:
-            return self._reject_at(
-                now, rank, f"rank {rank} is out of range for a group of {self.size}"
-            )
+            return f"rank {rank} is out of range for a group of {self.size}"
         if hello.size != self.size:
-            return self._reject_at(
-                now,
-                rank,
-                f"rank {rank}: HELLO says size {hello.size}, the client expects {self.size}",
-            )
+            return f"rank {rank}: HELLO says size {hello.size}, the client expects {self.size}"
         if self.lockstep is not None and hello.lockstep != self.lockstep:
             mode = "lockstep" if self.lockstep else "independent"
-            return self._reject_at(
-                now,
-                rank,
+            return (
                 f"rank {rank}: HELLO says lockstep={hello.lockstep}, but the admitted ranks "
-                f"are {mode}",
+                f"are {mode}"
             )
+        return None
+
+    def on_hello(
+        self, identity: bytes, hello: Hello | ProtocolError, now: float = 0.0
+    ) -> HelloVerdict:
+        """A HELLO (or a handshake message that failed to decode) from `identity`."""
+        rank = identity_rank(identity)
+        problem = self.hello_problem(identity, hello)
+        if problem is not None:
+            return self._reject_at(now, rank, problem)
+        assert isinstance(hello, Hello) and rank is not None
         if self.lockstep is None:
             self.lockstep = hello.lockstep
         rejoin = self._ranks[rank].phase is not RankPhase.MISSING
