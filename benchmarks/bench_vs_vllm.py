@@ -61,6 +61,7 @@ import json
 import math
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -285,13 +286,14 @@ def measure(a: argparse.Namespace, python: Path) -> dict[str, Any]:
                             per[side].append(m)
                 results[shape.key] = per
                 print(f"{shape.key}: {shape.describe()}: {summary(shape, per)}", flush=True)
-            return results
         except Failure as exc:
             log.flush()
             tail = log_path.read_text(errors="replace")[-3000:]
             raise SystemExit(
                 f"bench_vs_vllm: {exc}\n--- clients' log ({log_path}):\n{tail}"
             ) from exc
+    shutil.rmtree(tmp, ignore_errors=True)  # kept on failure, for its log
+    return results
 
 
 def med(per: dict[str, list[dict[str, float]]], side: str, name: str) -> float:

@@ -960,8 +960,10 @@ class GroupTransport(TransportBase):
         return True
 
     def _resync(self, now: float) -> float:
-        """RESYNC every rank the group waits for that is due (§2.5); a RESYNC to an
-        identity that is not connected fails with EHOSTUNREACH and is ignored."""
+        """RESYNC every rank the group waits for that is due (§2.5). One that finds no
+        route (EHOSTUNREACH), or the third in a row that gets no HELLO, ends the rank's
+        displaced connections (`_restore_route`); the next one may reach the engine.
+        Also decides the held HELLOs (`_settle`)."""
         zs = self.handshake
         for rank in self.state.resync_due(now):
             try:
