@@ -552,3 +552,21 @@ async def test_silent_lockstep_rank_fails_the_group(tmp_path: Path) -> None:
             await stream.receive()
         with pytest.raises(GroupClosed):
             group.submit(Request("b"))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_the_dispatcher_leaves_the_garbage_collector_as_it_found_it(
+    tmp_path: Path, enabled: bool
+) -> None:
+    """Each pass runs with the collector paused (issue 21); the application's own
+    setting, on or off, is what it finds after every pass."""
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        async with group_of(tmp_path, 1) as (group, _):
+            assert await collect(group, Request("r", "x")) == [Output("r", "x", "stop")]
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
