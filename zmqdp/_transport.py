@@ -964,8 +964,14 @@ class GroupTransport(TransportBase):
         route (EHOSTUNREACH), or the third in a row that gets no HELLO, ends the rank's
         displaced connections (`_restore_route`); the next one may reach the engine.
         Also decides the held HELLOs (`_settle`)."""
+        # Held HELLOs first: one decided now makes its rank no longer due, and a RESYNC
+        # to a rank with a HELLO held would reach the newcomer (it holds the route) and
+        # make it start over right after its INIT.
+        settle_at = self._settle(now)
         zs = self.handshake
         for rank in self.state.resync_due(now):
+            if rank in self._held:
+                continue
             try:
                 if zs.send_nowait([rank_identity(rank), self._resync_body]):
                     self._resyncs += 1
@@ -979,7 +985,7 @@ class GroupTransport(TransportBase):
             except zmq.ZMQError:
                 # Not connected (yet): the next RESYNC may find it. Or displaced.
                 self._restore_route(rank, "its RESYNC found no route", unroutable=True)
-        next_at: float = min(self.state.next_resync(), self._settle(now))
+        next_at: float = min(self.state.next_resync(), settle_at)
         return next_at
 
     def _on_handshake_message(self, frames: list[bytes], fd: int) -> None:

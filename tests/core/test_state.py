@@ -329,6 +329,10 @@ def test_a_new_incarnation_of_a_rank_still_up_ends_the_old_ones_requests() -> No
     fx = c.take_effects()
     assert [type(err).__name__ for _, err in fx.ended or []] == ["EngineDead"]
     assert c.is_up(0) and c.health[0].epoch == 99 and not len(c.book)
+    # ... and the handshake just completed is kept: forgetting it would RESYNC the new
+    # engine, which starts over and ends the incarnation that just came up (a flaky
+    # restart-while-stopped test, issue 24)
+    assert not fx.forgets
 
 
 def test_close_ends_a_recovery_for_good() -> None:

@@ -981,7 +981,11 @@ class GroupCore(Generic[H]):
         if self.closed is not None and not self.recovering:
             return
         if self.is_up(rank):  # its predecessor's end (a closed connection) is not judged yet
-            self.on_rank_dead(rank, "a new incarnation completed its handshake: this one is gone")
+            # as a rejoin: the predecessor ends, the handshake just completed is kept (it
+            # must not be forgotten and RESYNCed, which would make the engine start over)
+            self.on_rank_dead(
+                rank, "a new incarnation completed its handshake: this one is gone", rejoin=True
+            )
             if self.closed is not None and not self.recovering:
                 return
         self.rank_up(
