@@ -69,7 +69,7 @@ def pct(values: list[float], q: float) -> float:
 
 def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> None:
     """Print the rows and save them for `run_all.py`."""
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     data = {"rows": [asdict(r) for r in rows], "extra": extra or {}}
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
     for r in rows:
@@ -88,7 +88,7 @@ def plot(name: str, draw: Callable[[Any], None], title: str) -> Path | None:
     except ImportError:  # pragma: no cover
         print(f"(no plot {name}.png: pip install 'zmqdp[bench]' for matplotlib)")
         return None
-    PLOTS.mkdir(exist_ok=True)
+    PLOTS.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     draw(ax)
     ax.set_title(title)

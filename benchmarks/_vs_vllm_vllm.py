@@ -39,15 +39,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "realvllm"))
+from vllm_dp_client import ENV  # vLLM settings for a CPU-only machine
+
 PROMPT = [1, 2, 3]
-ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-}
 
 
 def emit(obj: dict[str, Any]) -> None:
