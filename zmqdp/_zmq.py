@@ -171,15 +171,19 @@ class ZSocket:
 
     # -- waiting ----------------------------------------------------------------------
 
-    async def _wait(self, flag: int) -> None:
-        """Park until `EVENTS & flag`. Re-reads EVENTS after every wake-up."""
+    async def _wait(self, flag: int) -> bool:
+        """Park until `EVENTS & flag`. Re-reads EVENTS after every wake-up. Returns
+        whether it parked (a schedule point), not if `flag` was set at once."""
         getsockopt = self._getsockopt
+        parked = False
         while not getsockopt(_EVENTS) & flag:
+            parked = True
             self._waits += 1
             with trio.move_on_after(self.safety_timeout) as scope:
                 await trio.lowlevel.wait_readable(self.fd)
             if scope.cancelled_caught and getsockopt(_EVENTS) & flag:
                 self._fallbacks += 1  # ready, yet the fd never said so: a missed wake-up
+        return parked
 
     # -- receiving --------------------------------------------------------------------
 
@@ -264,13 +268,15 @@ class ZSocket:
         """
         self._claim()
         await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         while True:
             batch = self._drain(limit)
             if batch:
                 self._batches += 1
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not waited:  # (a wait was the schedule point; another adds latency)
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
-            await self._wait(POLLIN)
+            waited = await self._wait(POLLIN) or waited
 
     # -- sending ----------------------------------------------------------------------
 
@@ -409,11 +415,14 @@ POLL_FALLBACK = 0.05
 """Seconds between looks at the other sockets of a several-socket wait without epoll."""
 
 
-async def wait_any(members: Sequence[ZSocket], fds: _Fds) -> None:
+async def wait_any(members: Sequence[ZSocket], fds: _Fds) -> bool:
     """Park until one of `members` (owned by the calling task) can receive: `EVENTS`
-    of each is read before every wait and after every wake-up (rule 2)."""
+    of each is read before every wait and after every wake-up (rule 2). Returns
+    whether it parked (a schedule point)."""
     getters = [zs._getsockopt for zs in members]
+    parked = False
     while not any(get(_EVENTS) & POLLIN for get in getters):
+        parked = True
         first = members[0]
         first._waits += 1
         with trio.move_on_after(fds.timeout) as scope:
@@ -424,6 +433,7 @@ async def wait_any(members: Sequence[ZSocket], fds: _Fds) -> None:
             and any(get(_EVENTS) & POLLIN for get in getters)
         ):
             first._fallbacks += 1
+    return parked
 
 
 Gate = Callable[[int], Callable[[int, list[bytes]], bool] | None]
@@ -505,12 +515,14 @@ class ZSocketSet:
         for zs in waited:
             zs._claim()
         await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
         while True:
             self._kicked = False
             batch = self.receive_nowait(limit)
             if batch:
                 self.members[0]._batches += 1
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                if not parked:  # (parking was the schedule point; another adds latency)
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
             if self._kicked:
                 continue  # a gate has something to do now
@@ -519,7 +531,7 @@ class ZSocketSet:
             with trio.CancelScope() as scope:
                 self._park = scope
                 try:
-                    await wait_any(waited, self._fds)
+                    parked = await wait_any(waited, self._fds) or parked
                 finally:
                     self._park = None
 

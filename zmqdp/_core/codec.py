@@ -77,7 +77,6 @@ WAKE = b"\x02"
 CALL = b"\x03"
 
 _MISSING: Any = object()
-_new_output = tuple.__new__  # builds an `Output` without its keyword-handling __new__
 
 
 # -- field checks ---------------------------------------------------------------------
@@ -363,7 +362,7 @@ def _output(item: Any) -> Output:
             cbor.check_value(body)
         except ProtocolError as exc:
             raise exc.at(request_id=rid) from None
-    return _new_output(Output, (rid, body, finish))
+    return Output(rid, body, finish)
 
 
 def _load(value: Any) -> Load:

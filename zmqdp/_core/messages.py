@@ -7,9 +7,11 @@ name is clearer (`Output.request_id` for the wire key `id`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
+
+import msgspec
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -135,11 +137,19 @@ RequestMessage = Add | Abort | Wake | Call
 # -- outputs (§4) ---------------------------------------------------------------------
 
 
-class Output(NamedTuple):
+class Output(msgspec.Struct, gc=False):
     """One output of one request. A string `finish` makes it the request's last.
 
-    A named tuple rather than a frozen dataclass: it is built once per output on the
-    dispatcher's hot path, and tuple construction is several times cheaper.
+    A msgspec Struct that the garbage collector does not track (``gc=False``): one is
+    made per output on the dispatcher's hot path and lives in its stream's buffer until
+    the consumer takes it, and tracked outputs (named tuples, until now) made the
+    cyclic collector walk every buffered one again and again: 39 % of the client's CPU
+    at 256 x 256 on vLLM's wire (issue 21). It also builds in a fifth of a named tuple's
+    time. Unpacks like the tuple it was (``rid, body, finish = out``). An output never
+    refers back to itself, so it cannot be part of a reference cycle.
+
+    The wire decoders make it with the request's wire id, and the core rewrites
+    `request_id` in place to the application's id before delivering it (no copy).
     """
 
     request_id: str
@@ -149,6 +159,9 @@ class Output(NamedTuple):
     @property
     def terminal(self) -> bool:
         return self.finish is not None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.request_id, self.body, self.finish))
 
 
 @dataclass(frozen=True, slots=True)

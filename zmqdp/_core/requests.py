@@ -57,8 +57,6 @@ from .errors import DuplicateRequestId
 from .messages import Output
 from .routing import Routing
 
-_new_output = tuple.__new__  # builds an `Output` without its keyword-handling __new__
-
 __all__ = ["RECENT_ENDED", "BatchEffects", "Ended", "Outcome", "RequestBook"]
 
 RECENT_ENDED = 65536
@@ -246,20 +244,23 @@ class RequestBook(Generic[H]):
         fx: BatchEffects[H] | None = None,
     ) -> BatchEffects[H]:
         """Route one batch from `rank`: deliver outputs, end terminal and `finished`
-        requests, release their slots. Adds to `fx` if given."""
+        requests, release their slots. Adds to `fx` if given. Consumes `outputs`: each
+        one delivered is the same object, its `request_id` rewritten to the app's id."""
         if fx is None:
             fx = BatchEffects()
         live = self._live
         by_app = self._by_app
         released: list[str] = []
         deliver = fx.deliveries.append
-        for wid, body, finish in outputs:
+        for out in outputs:
+            wid = out.request_id
             entry = live.get(wid)
             if entry is None or entry.rank != rank:
                 self._stray(fx, wid, rank)
                 continue
-            deliver((entry.handle, _new_output(Output, (entry.request_id, body, finish))))
-            if finish is not None:
+            out.request_id = entry.request_id  # the wire id becomes the app's: no copy
+            deliver((entry.handle, out))
+            if out.finish is not None:
                 del live[wid]
                 del by_app[entry.request_id]
                 self._remember(wid, rank)

@@ -34,7 +34,7 @@ wave clock; `utility_output` becomes a `Reply`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -441,14 +441,20 @@ class VllmError(NamedTuple):
         return f"{self.code}: {self.message}{again}"
 
 
-class VllmOutput(NamedTuple):
+class VllmOutput(msgspec.Struct, gc=False):
     """The body of one output: the request's new token ids, for a STOP finish what
     stopped it (`stop_reason`: a stop token id, or None for EOS), and for an
-    ``"error"`` finish what the engine said (`error`, vLLM >= 0.33)."""
+    ``"error"`` finish what the engine said (`error`, vLLM >= 0.33).
+
+    An untracked msgspec Struct, as `Output` (why: there); it unpacks as the named tuple
+    it was (``ids, stop, error = out.body``)."""
 
     token_ids: list[int]
     stop_reason: int | str | None = None
     error: VllmError | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.token_ids, self.stop_reason, self.error))
 
 
 class _RequestError(msgspec.Struct, gc=False):
@@ -539,7 +545,6 @@ _loose_decoder = msgspec.msgpack.Decoder(_LooseOutputs)
 _out_decoder = msgspec.msgpack.Decoder(_Out)
 _utility_decoder = msgspec.msgpack.Decoder(_Utility)
 _error_outputs_decoder = msgspec.msgpack.Decoder(_ErrorOutputs)
-_new_output = tuple.__new__
 _NREASONS = len(FINISH_REASONS)
 
 
@@ -596,8 +601,7 @@ def _converted(rank: int, outs: list[_Out], bad: list[BadEntry], body: bytes) ->
         else:
             bad.append(BadEntry("outputs", o.request_id, f"finish_reason {fr} is not 0..4"))
             continue
-        body_ = _new_output(VllmOutput, (o.new_token_ids, o.stop_reason, error))
-        append(_new_output(Output, (o.request_id, body_, finish)))
+        append(Output(o.request_id, VllmOutput(o.new_token_ids, o.stop_reason, error), finish))
     return tuple(out)
 
 
