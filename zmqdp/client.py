@@ -206,6 +206,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
                 wire=dialect.wire,
                 held_limit=4 * options.max_message_size,
                 recover=options.recover,
+                speed=options.routing == "speed",
             )
             group = cast(
                 EngineGroup[S],

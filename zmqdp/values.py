@@ -249,6 +249,14 @@ class ConnectOptions:
     """Admission control: requests in flight per rank (an int; "info": each rank's
     `max_num_seqs` from its handshake info, uncapped if it sends none; None: no cap).
     A submit that finds no room raises `Overloaded`; `wait_submit` waits."""
+    routing: Literal["least-loaded", "speed"] = "speed"
+    """How an unpinned request's rank is chosen. "speed" (the default): the rank that
+    would finish it first, from each rank's step time (measured from the cadence of its
+    outputs) and its capacity (`max_num_seqs` from its handshake info): a slower rank
+    gets requests only when the faster ones are full enough to make them wait longer,
+    and equally fast ranks (within 25 %) share them as least-loaded does.
+    "least-loaded": the rank holding the fewest requests (its own count or its last
+    load report, whichever is higher), whatever its speed."""
     request_timeout: float | None = None
     """Seconds: the deadline of every request without its own `timeout` (None: none);
     past it the request is aborted on its rank and its stream raises `RequestTimeout`."""
@@ -291,6 +299,8 @@ class ConnectOptions:
         mi = self.max_inflight
         if mi not in (None, "info") and (type(mi) is not int or mi < 1):
             raise ValueError(f"max_inflight must be a positive int, 'info' or None, got {mi!r}")
+        if self.routing not in ("least-loaded", "speed"):
+            raise ValueError(f"routing must be 'least-loaded' or 'speed', got {self.routing!r}")
         check_timeout("request_timeout", self.request_timeout)
         hi, ht = self.heartbeat_interval, self.heartbeat_timeout
         if hi is not None and (type(hi) not in (int, float) or not 0.01 <= hi <= 3600):

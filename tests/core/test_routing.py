@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 
 from zmqdp._core.errors import InvalidRank, NoEngineAvailable, Overloaded
 from zmqdp._core.messages import Load
-from zmqdp._core.routing import Routing
+from zmqdp._core.routing import STEP_RUN, Routing
 
 MAX_RANKS = 40
 IDS = st.integers(0, 23).map(lambda i: f"r{i}")  # a small pool: duplicates, re-use
@@ -37,6 +37,7 @@ ANY_RANK = st.integers(0, MAX_RANKS + 1)  # folded into -1 .. n by `_rank`
 COUNTS = st.integers(0, 3)  # small queue counts: many equal scores
 KV = st.sampled_from([math.nan, 0.0, 1.0, 0.75, 0.5])
 SEQ = st.none() | st.integers(0, 6)
+TICKS = st.sampled_from([0.0, 0.001, 0.0011, 0.003, 0.01, 0.03])  # time between two batches
 
 
 def outcome(call: Callable[[], Any]) -> tuple[Any, ...]:
@@ -53,6 +54,7 @@ def snapshot(routing: Routing, rank: int) -> tuple[Any, ...]:
         routing.is_up(rank),
         routing.cap(rank),
         routing.score(rank),
+        routing.step_time(rank),
         routing.inflight_ids(rank),
         (load.waiting, load.running, repr(load.kv)),  # repr: NaN equals NaN
     )
@@ -67,12 +69,13 @@ class SelectMachine(RuleBasedStateMachine):
         super().__init__()
         self.n = 0
 
-    @initialize(n=st.integers(1, MAX_RANKS), up=st.booleans())
-    def setup(self, n: int, up: bool) -> None:
+    @initialize(n=st.integers(1, MAX_RANKS), up=st.booleans(), speed=st.booleans())
+    def setup(self, n: int, up: bool, speed: bool) -> None:
         self.n = n
-        self.tree = self.tree_cls(n, up=up, tree=True)
-        self.linear = Routing(n, up=up, tree=False)
+        self.tree = self.tree_cls(n, up=up, tree=True, speed=speed)
+        self.linear = Routing(n, up=up, tree=False, speed=speed)
         self.start = 0  # the model's rotation
+        self.now = 0.0
 
     def _rank(self, r: int) -> int:
         """-1 .. n: both ends are out of range (-1 is the last rank to the lists)."""
@@ -145,6 +148,21 @@ class SelectMachine(RuleBasedStateMachine):
         rank = r % self.n
         self._both(lambda routing: routing.set_cap(rank, cap))
 
+    @rule(r=ANY_RANK, tick=TICKS, times=st.integers(1, 6))
+    def observe_outputs(self, r: int, tick: float, times: int) -> None:
+        """`times` batches from one rank, `tick` apart (0: read in one pass): from a
+        rank that holds requests if there is one (only those are timed)."""
+        busy = [k for k in range(self.n) if self.linear.inflight_count(k)]
+        rank = busy[r % len(busy)] if busy else r % self.n
+        for _ in range(times):
+            self.now += tick
+            self._both(lambda routing: routing.observe_outputs(rank, self.now))
+
+    @rule(r=ANY_RANK, capacity=st.none() | st.integers(1, 4))
+    def set_capacity(self, r: int, capacity: int | None) -> None:
+        rank = r % self.n
+        self._both(lambda routing: routing.set_capacity(rank, capacity))
+
     @rule(r=ANY_RANK)
     def set_up(self, r: int) -> None:
         rank = self._rank(r)
@@ -162,6 +180,17 @@ class SelectMachine(RuleBasedStateMachine):
         for rank in range(self.n):
             got, expected = snapshot(self.tree, rank), snapshot(self.linear, rank)
             assert got == expected, f"rank {rank}: index {got}, scan {expected}"
+
+    @invariant()
+    def every_leaf_holds_its_ranks_score(self) -> None:
+        """The index's own invariant, read directly: a stale leaf may take many steps
+        to change a pick (speed-aware scores move only after runs of batches)."""
+        tree = self.tree._tree
+        assert tree is not None
+        for rank in range(self.n):
+            live = self.tree.score(rank) if self.tree.has_room(rank) else math.inf
+            leaf = tree[self.tree._leaves + rank]
+            assert leaf == live, f"rank {rank}: index leaf {leaf}, its score {live}"
 
 
 TestSelect = SelectMachine.TestCase
@@ -257,6 +286,17 @@ class ForgetsReleaseInIndex(Routing):
             self._tree = tree
 
 
+class KeepsStaleStepInIndex(Routing):
+    """Times the rank but leaves its old score in the index (speed-aware only)."""
+
+    def observe_outputs(self, rank: int, now: float) -> None:
+        tree, self._tree = self._tree, None
+        try:
+            super().observe_outputs(rank, now)
+        finally:
+            self._tree = tree
+
+
 HUNT = settings(
     max_examples=300,
     stateful_step_count=50,
@@ -269,9 +309,67 @@ HUNT = settings(
 
 
 @pytest.mark.parametrize(
-    "variant", [BreaksTiesLow, ForgetsReleaseInIndex, CapBlindIndex], ids=lambda c: c.__name__
+    "variant",
+    [BreaksTiesLow, ForgetsReleaseInIndex, CapBlindIndex, KeepsStaleStepInIndex],
+    ids=lambda c: c.__name__,
 )
 def test_the_machine_catches(variant: type[Routing]) -> None:
     machine = type(f"SelectMachineWith{variant.__name__}", (SelectMachine,), {"tree_cls": variant})
     with pytest.raises(AssertionError, match=r"index|rule says"):
         run_state_machine_as_test(machine, settings=HUNT)
+
+
+# -- speed-aware selection: worked examples -------------------------------------------
+
+
+def timed(routing: Routing, rank: int, step: float, start: float = 0.0) -> float:
+    """Give `rank` (holding a request) a run of batches `step` apart; returns the time."""
+    now = start
+    for _ in range(STEP_RUN + 1):
+        routing.observe_outputs(rank, now)
+        now += step
+    return now
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_slower_rank_gets_requests_only_once_the_fast_one_is_full(tree: bool) -> None:
+    routing = Routing(2, up=True, tree=tree, speed=True)
+    for rank in (0, 1):
+        routing.set_capacity(rank, 4)
+        routing.select(f"warm{rank}", rank)
+        timed(routing, rank, 0.005 if rank == 0 else 0.015)
+    assert routing.step_time(0) == pytest.approx(0.005)
+    assert routing.step_time(1) == pytest.approx(0.015)
+    # Under its capacity the fast rank runs a request at once: everything goes there,
+    # and past it, until waiting there costs more than the slow rank's 3x step time.
+    picks = [routing.select(f"r{i}") for i in range(12)]
+    assert picks[:6] == [0] * 6, picks
+    assert 1 in picks, picks
+    least_loaded = Routing(2, up=True, tree=tree)
+    assert [least_loaded.select(f"r{i}") for i in range(8)] == [0, 1] * 4
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_equally_fast_ranks_share_requests_as_least_loaded_does(tree: bool) -> None:
+    routing = Routing(4, up=True, tree=tree, speed=True)
+    plain = Routing(4, up=True, tree=tree)
+    for rank in range(4):
+        for r in (routing, plain):
+            r.set_capacity(rank, 8)
+            r.select(f"warm{rank}", rank)
+        # within SPEED_BAND of each other: measurement noise
+        timed(routing, rank, 0.005 * (1 + 0.05 * rank))
+    assert all(routing.step_time(k) for k in range(4))
+    for i in range(40):
+        assert routing.select(f"r{i}") == plain.select(f"r{i}")
+        if i % 3 == 0:
+            routing.release(i % 4, [f"warm{i % 4}"])
+            plain.release(i % 4, [f"warm{i % 4}"])
+
+
+def test_a_rank_not_timed_yet_counts_as_the_fastest() -> None:
+    routing = Routing(2, up=True, speed=True)
+    routing.select("a", 0)
+    timed(routing, 0, 0.05)
+    assert routing.step_time(1) is None
+    assert routing.score(1) < routing.score(0)  # as fast, and idle

@@ -478,3 +478,18 @@ def test_replies_do_not_outweigh_junk(stepped: bool) -> None:
     while result.rest is not None and result.dead is None:
         result = c.continue_batch(result.rest, 1.0)
     assert "mostly strays" in (result.dead or "")
+
+
+def test_the_core_times_each_rank_from_its_batches_and_reads_its_capacity() -> None:
+    """Speed-aware routing's inputs: `max_num_seqs` from the handshake info, and the
+    step time from the dispatcher's clock at each batch of outputs."""
+    c: GroupCore[object] = GroupCore(2, lockstep=False, speed=True)
+    for r in range(2):
+        c.on_rank_up(r, 0.0, epoch=EPOCH[r], info={"max_num_seqs": 3 + r})
+    assert [c.routing._capacity[r] for r in range(2)] == [3, 4]
+    c.submit("a", None, object(), 1, now=0.0)
+    wid = wire(c, "a")
+    for step in range(6):
+        send(c, 1, 0.02 * step, outputs=[{"id": wid, "body": step}])
+    assert c.routing.step_time(1) == pytest.approx(0.02)
+    assert c.routing.step_time(0) is None

@@ -15,6 +15,21 @@ are no locks at all: the object is used from one trio task at a time.
   per unpinned pick (even one that raises; pinned picks leave it alone), wrapping. So
   ties (a cold start) go round-robin. No up rank, or none with a finite score:
   `NoEngineAvailable`.
+* Speed-aware (`speed=True`, the group's default `routing="speed"`): the score is
+  `speed_score` instead, how long a new request would take on the rank in seconds:
+  its step time (under `SPEED_BAND` of the fastest: the fastest's) x (1 + the
+  lifetimes it would wait for a slot past the rank's capacity + `SPEED_SPREAD` x the
+  least-loaded score / capacity). A rank's step time is the time per batch of outputs
+  (`observe_outputs`, from the dispatcher's clock: vLLM's engines send one message per
+  step) over runs of `STEP_RUN` batches while it holds requests, averaged; its
+  capacity is `max_num_seqs` from its handshake (`set_capacity`). So a slower rank
+  gets requests only once the faster ones are full enough that waiting there takes
+  longer, and equally fast ranks get them as least-loaded gives them. Every score
+  rests on values that change only through the methods that rescore (the fastest
+  step time is rounded to a grid, `SPEED_GRID`, and every score is rewritten when that
+  rounding changes), so the index below still chooses exactly what the scan does.
+  A rank that got slower is timed again only while it holds requests: one that is
+  avoided keeps its old step time until the faster ranks fill up.
 * Below `TREE_MIN_SIZE` ranks the winner is found by scanning every rank. From there on
   an index keeps a pick at O(log N) instead of O(N): a min segment tree (an implicit
   binary tree in one list; node i has children 2i and 2i + 1, node 1 is the root) whose
@@ -53,10 +68,29 @@ from typing import ClassVar
 from .errors import InvalidRank, NoEngineAvailable, Overloaded
 from .messages import Load
 
-__all__ = ["KV_THRESHOLD", "KV_WEIGHT", "Routing"]
+__all__ = [
+    "KV_THRESHOLD",
+    "KV_WEIGHT",
+    "SPEED_BAND",
+    "SPEED_GRID",
+    "SPEED_SPREAD",
+    "STEP_RUN",
+    "STEP_WEIGHT",
+    "Routing",
+]
 
 KV_WEIGHT = 6.0
 KV_THRESHOLD = 0.5
+SPEED_SPREAD = 0.5
+"""`Routing.speed_score`: the weight of a rank's load (as a fraction of its capacity)."""
+SPEED_BAND = 0.25
+"""`Routing.speed_score`: ranks this much slower than the fastest count as equally fast."""
+SPEED_GRID = 1.1
+"""`Routing.observe_outputs`: the fastest step time is rounded to a power of this."""
+STEP_RUN = 4
+"""`Routing.observe_outputs`: batches per step-time sample."""
+STEP_WEIGHT = 0.25
+"""`Routing.observe_outputs`: the weight of the newest sample in the average."""
 _IDLE = Load()
 
 
@@ -68,11 +102,17 @@ class Routing:
 
     __slots__ = (
         "_cap",
+        "_capacity",
+        "_fastest",
         "_inflight",
         "_leaves",
         "_load",
         "_next_start",
+        "_reference",
         "_seq",
+        "_speed",
+        "_step",
+        "_timing",
         "_tree",
         "_up",
         "size",
@@ -83,10 +123,18 @@ class Routing:
     even at 3 to 4 ranks, but the index also adds about 0.35 µs to every load report;
     at 8 a pair is about 1.2 µs cheaper than the scan (benchmarks/bench_p6_selection.py)."""
 
-    def __init__(self, size: int, *, up: bool = False, tree: bool | None = None) -> None:
+    def __init__(
+        self, size: int, *, up: bool = False, tree: bool | None = None, speed: bool = False
+    ) -> None:
         if size < 1:
             raise ValueError(f"a group needs at least one rank, got {size}")
         self.size = size
+        self._speed = speed
+        self._capacity: list[int | None] = [None] * size
+        self._step = [0.0] * size  # seconds per batch of outputs (EWMA); 0: not known yet
+        self._timing: list[tuple[float, int] | None] = [None] * size  # (since, batches)
+        self._fastest = 0.0  # the smallest known `_step`, assumed for ranks not timed yet
+        self._reference = 1.0  # `_fastest` on a grid: what `speed_score` assumes for it
         self._up = [up] * size
         self._inflight: list[set[str]] = [set() for _ in range(size)]
         self._load: list[Load] = [_IDLE] * size
@@ -114,10 +162,13 @@ class Routing:
         return 0 <= rank < self.size and self._up[rank]
 
     def set_up(self, rank: int) -> None:
-        """Make `rank` selectable, with a fresh incarnation: no load, no seq."""
+        """Make `rank` selectable, with a fresh incarnation: no load, no seq, no step
+        time yet (see `set_capacity`)."""
         self._up[rank] = True
         self._load[rank] = _IDLE
         self._seq[rank] = None
+        self._step[rank] = 0.0
+        self._timing[rank] = None
         if self._tree is not None:
             self._rescore(rank)
 
@@ -131,6 +182,12 @@ class Routing:
         if self._tree is not None:
             self._rescore(rank)
         return held
+
+    def set_capacity(self, rank: int, capacity: int | None) -> None:
+        """How many requests `rank` runs at once (its `max_num_seqs`; None: unknown)."""
+        self._capacity[rank] = capacity if type(capacity) is int and capacity > 0 else None
+        if self._tree is not None:
+            self._rescore(rank)
 
     def set_cap(self, rank: int, cap: int | None) -> None:
         """`rank` takes at most `cap` requests in flight (None: no cap)."""
@@ -153,7 +210,14 @@ class Routing:
     # -- selection and release --------------------------------------------------------
 
     def score(self, rank: int) -> float:
-        """The least-loaded score of `rank` (lower is better)."""
+        """The score of `rank` (lower is better): `load_score`, or with `speed` on,
+        `speed_score`."""
+        if self._speed:
+            return self.speed_score(rank)
+        return self.load_score(rank)
+
+    def load_score(self, rank: int) -> float:
+        """The least-loaded score of `rank`: requests it holds or has queued."""
         load = self._load[rank]
         score = float(max(len(self._inflight[rank]), load.waiting + load.running))
         if load.waiting:
@@ -161,6 +225,26 @@ class Routing:
             if kv > KV_THRESHOLD:  # False for NaN: an unknown KV usage adds nothing
                 score += load.waiting * KV_WEIGHT * (kv - KV_THRESHOLD)
         return score
+
+    def speed_score(self, rank: int) -> float:
+        """How long a new request would take on `rank`, in step times: a rank under its
+        capacity runs it at once; past it, the request waits about ``queued / capacity``
+        request lifetimes for a slot. ``SPEED_SPREAD x load / capacity`` more spreads
+        requests over equally fast ranks as least-loaded does (their step times grow
+        with their batches). A rank within `SPEED_BAND` of the fastest counts as the
+        fastest (measurement noise must not unbalance equal ranks), and so does one
+        not timed yet. With no capacity known, the load counts in full."""
+        fastest = self._reference
+        step = self._step[rank]
+        if step < fastest * (1.0 + SPEED_BAND):
+            step = fastest
+        held = self.load_score(rank)
+        capacity = self._capacity[rank]
+        if capacity is None:
+            return step * (held + 1.0)
+        queued = held + 1.0 - capacity
+        wait = queued / capacity if queued > 0 else 0.0
+        return step * (1.0 + wait + SPEED_SPREAD * held / capacity)
 
     def select(self, request_id: str, rank: int | None = None, *, name: str | None = None) -> int:
         """Choose a rank for `request_id` and reserve it there.
@@ -225,6 +309,7 @@ class Routing:
             return
         held.difference_update(request_ids)
         if not held:
+            self._timing[rank] = None  # idle: the gap until its next output is no step
             load = self._load[rank]
             if load.waiting or load.running:
                 self._load[rank] = Load(0, 0, load.kv)
@@ -249,6 +334,49 @@ class Routing:
         if self._tree is not None:
             self._rescore(rank)
         return True
+
+    def observe_outputs(self, rank: int, now: float) -> None:
+        """`rank` sent a batch of outputs at `now` (the dispatcher's time of the pass
+        that read it): its step time is the time per batch over runs of at least
+        `STEP_RUN` batches while it holds requests (several batches read in one pass
+        share one `now`, so a run ends only when time has moved on), averaged
+        (`STEP_WEIGHT` for the newest run)."""
+        timing = self._timing[rank]
+        if timing is None:
+            if self._inflight[rank]:
+                self._timing[rank] = (now, 0)
+            return
+        since, batches = timing
+        batches += 1
+        if batches < STEP_RUN or now <= since:
+            self._timing[rank] = (since, batches)
+            return
+        self._timing[rank] = (now, 0)
+        sample = (now - since) / batches
+        old = self._step[rank]
+        step = sample if not old else old + STEP_WEIGHT * (sample - old)
+        self._step[rank] = step
+        fastest = self._fastest
+        if not fastest or step < fastest:
+            fastest = step
+        elif old == fastest:  # the fastest rank slowed down: which is fastest now?
+            fastest = min(s for s in self._step if s)
+        self._fastest = fastest
+        # The step time the scores assume for the fastest ranks, on a grid of 10 % steps
+        # so that it changes rarely: every score that uses it is then rewritten.
+        reference = SPEED_GRID ** round(math.log(fastest, SPEED_GRID))
+        if reference != self._reference:
+            self._reference = reference
+            if self._speed and self._tree is not None:
+                for r in range(self.size):
+                    self._rescore(r)
+                return
+        if self._speed and self._tree is not None:
+            self._rescore(rank)
+
+    def step_time(self, rank: int) -> float | None:
+        """`rank`'s step time as measured by `observe_outputs` (None: not yet)."""
+        return self._step[rank] or None
 
     # -- the selection index ----------------------------------------------------------
 

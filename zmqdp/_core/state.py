@@ -316,6 +316,7 @@ class GroupCore(Generic[H]):
         wire: Wire[Any] | None = None,
         held_limit: int = 4 * DEFAULT_MAX_MESSAGE_SIZE,
         recover: bool = False,
+        speed: bool = False,
     ) -> None:
         self.size = size
         self.recover = recover
@@ -329,7 +330,8 @@ class GroupCore(Generic[H]):
         self.lockstep = lockstep
         self.silence_timeout = silence_timeout
         self.stall_timeout = stall_timeout
-        self.routing = self.routing_cls(size)
+        self.routing = self.routing_cls(size, speed=speed)
+        """Selection; `speed`: by step time and capacity (`Routing.speed_score`)."""
         self.book: RequestBook[H] = self.book_cls(self.routing)
         self.clock: WaveClock | None = WaveClock(wave) if lockstep else None
         self.health = [RankHealth() for _ in range(size)]
@@ -769,6 +771,8 @@ class GroupCore(Generic[H]):
             fx, result.bad_replies = self._bad_entries(rank, batch.bad_entries, rest)
         if batch.load is not None:
             self.routing.observe_load(rank, batch.load, batch.seq)
+        if batch.outputs:
+            self.routing.observe_outputs(rank, now)
         clock = self.clock
         if clock is not None:
             if batch.wave_complete is not None:
@@ -991,7 +995,10 @@ class GroupCore(Generic[H]):
         self.rank_up(
             rank, now, epoch=epoch, hello_wave=hello_wave, max_message_size=max_message_size
         )
-        self.routing.set_cap(rank, self._cap(rank, cap, info or {}))
+        info = info or {}
+        self.routing.set_cap(rank, self._cap(rank, cap, info))
+        seqs = info.get("max_num_seqs")
+        self.routing.set_capacity(rank, seqs if type(seqs) is int else None)
         self._fx.rank_state(rank, True)
         if self.recovering and all(self.is_up(r) for r in range(self.size)):
             self.closed = None
