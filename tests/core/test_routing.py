@@ -148,15 +148,15 @@ class SelectMachine(RuleBasedStateMachine):
         rank = r % self.n
         self._both(lambda routing: routing.set_cap(rank, cap))
 
-    @rule(r=ANY_RANK, tick=TICKS, times=st.integers(1, 6))
-    def observe_outputs(self, r: int, tick: float, times: int) -> None:
+    @rule(r=ANY_RANK, tick=TICKS, times=st.integers(1, 6), outputs=st.integers(0, 3))
+    def observe_outputs(self, r: int, tick: float, times: int, outputs: int) -> None:
         """`times` batches from one rank, `tick` apart (0: read in one pass): from a
         rank that holds requests if there is one (only those are timed)."""
         busy = [k for k in range(self.n) if self.linear.inflight_count(k)]
         rank = busy[r % len(busy)] if busy else r % self.n
         for _ in range(times):
             self.now += tick
-            self._both(lambda routing: routing.observe_outputs(rank, self.now))
+            self._both(lambda routing: routing.observe_outputs(rank, self.now, outputs))
 
     @rule(r=ANY_RANK, capacity=st.none() | st.integers(1, 4))
     def set_capacity(self, r: int, capacity: int | None) -> None:
@@ -289,10 +289,10 @@ class ForgetsReleaseInIndex(Routing):
 class KeepsStaleStepInIndex(Routing):
     """Times the rank but leaves its old score in the index (speed-aware only)."""
 
-    def observe_outputs(self, rank: int, now: float) -> None:
+    def observe_outputs(self, rank: int, now: float, outputs: int = 1) -> None:
         tree, self._tree = self._tree, None
         try:
-            super().observe_outputs(rank, now)
+            super().observe_outputs(rank, now, outputs)
         finally:
             self._tree = tree
 
@@ -373,3 +373,24 @@ def test_a_rank_not_timed_yet_counts_as_the_fastest() -> None:
     timed(routing, 0, 0.05)
     assert routing.step_time(1) is None
     assert routing.score(1) < routing.score(0)  # as fast, and idle
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_the_step_time_does_not_depend_on_how_an_engine_batches_a_step(
+    per_request: bool,
+) -> None:
+    """Four running requests, a step every 10 ms: one batch of 4 outputs per step (as
+    vLLM's engines send), or one batch per request (counting batches would make this
+    rank look 4x faster, and more so the busier it gets)."""
+    routing = Routing(1, up=True, speed=True)
+    routing.set_capacity(0, 8)
+    for i in range(4):
+        routing.select(f"r{i}")
+    for step in range(3 * STEP_RUN):
+        now = 0.01 * step
+        if per_request:
+            for _ in range(4):
+                routing.observe_outputs(0, now, 1)
+        else:
+            routing.observe_outputs(0, now, 4)
+    assert routing.step_time(0) == pytest.approx(0.01, rel=0.3)

@@ -19,9 +19,10 @@ are no locks at all: the object is used from one trio task at a time.
   `speed_score` instead, how long a new request would take on the rank in seconds:
   its step time (under `SPEED_BAND` of the fastest: the fastest's) x (1 + the
   lifetimes it would wait for a slot past the rank's capacity + `SPEED_SPREAD` x the
-  least-loaded score / capacity). A rank's step time is the time per batch of outputs
-  (`observe_outputs`, from the dispatcher's clock: vLLM's engines send one message per
-  step) over runs of `STEP_RUN` batches while it holds requests, averaged; its
+  least-loaded score / capacity). A rank's step time is the time per output per
+  running request (`observe_outputs`, from the dispatcher's clock: one step gives each
+  running request one output, however the engine batches them) over runs of
+  `STEP_RUN` steps while it holds requests, averaged; its
   capacity is `max_num_seqs` from its handshake (`set_capacity`). So a slower rank
   gets requests only once the faster ones are full enough that waiting there takes
   longer, and equally fast ranks get them as least-loaded gives them. Every score
@@ -88,7 +89,7 @@ SPEED_BAND = 0.25
 SPEED_GRID = 1.1
 """`Routing.observe_outputs`: the fastest step time is rounded to a power of this."""
 STEP_RUN = 4
-"""`Routing.observe_outputs`: batches per step-time sample."""
+"""`Routing.observe_outputs`: steps per step-time sample."""
 STEP_WEIGHT = 0.25
 """`Routing.observe_outputs`: the weight of the newest sample in the average."""
 _IDLE = Load()
@@ -335,24 +336,34 @@ class Routing:
             self._rescore(rank)
         return True
 
-    def observe_outputs(self, rank: int, now: float) -> None:
-        """`rank` sent a batch of outputs at `now` (the dispatcher's time of the pass
-        that read it): its step time is the time per batch over runs of at least
-        `STEP_RUN` batches while it holds requests (several batches read in one pass
-        share one `now`, so a run ends only when time has moved on), averaged
-        (`STEP_WEIGHT` for the newest run)."""
+    def observe_outputs(self, rank: int, now: float, outputs: int = 1) -> None:
+        """`rank` sent a batch of `outputs` outputs at `now` (the dispatcher's time of
+        the pass that read it). Its step time is measured over runs while it holds
+        requests: each running request gets one output per step, so a run of `o`
+        outputs with `n` running (its in-flight count, at most its capacity) is `o / n`
+        steps, however the engine splits a step into batches (one per step as vLLM's
+        engines, or one per request: counting batches would make such a rank look `n`
+        times faster the busier it is). A run ends after `STEP_RUN` steps once time has
+        moved on (batches read in one pass share one `now`); runs are averaged
+        (`STEP_WEIGHT` for the newest)."""
         timing = self._timing[rank]
         if timing is None:
             if self._inflight[rank]:
-                self._timing[rank] = (now, 0)
+                self._timing[rank] = (now, 0)  # the run starts at this batch
             return
-        since, batches = timing
-        batches += 1
-        if batches < STEP_RUN or now <= since:
-            self._timing[rank] = (since, batches)
+        since, seen = timing
+        seen += outputs
+        running = len(self._inflight[rank])
+        capacity = self._capacity[rank]
+        if capacity is not None and running > capacity:
+            running = capacity  # the rest wait in the engine's queue: no outputs
+        if running < 1:
+            running = 1
+        if seen < STEP_RUN * running or now <= since:
+            self._timing[rank] = (since, seen)
             return
         self._timing[rank] = (now, 0)
-        sample = (now - since) / batches
+        sample = (now - since) * running / seen
         old = self._step[rank]
         step = sample if not old else old + STEP_WEIGHT * (sample - old)
         self._step[rank] = step

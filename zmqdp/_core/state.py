@@ -772,7 +772,7 @@ class GroupCore(Generic[H]):
         if batch.load is not None:
             self.routing.observe_load(rank, batch.load, batch.seq)
         if batch.outputs:
-            self.routing.observe_outputs(rank, now)
+            self.routing.observe_outputs(rank, now, len(batch.outputs))
         clock = self.clock
         if clock is not None:
             if batch.wave_complete is not None:
