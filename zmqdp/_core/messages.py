@@ -145,8 +145,10 @@ class Output(msgspec.Struct, gc=False):
     the consumer takes it, and tracked outputs (named tuples, until now) made the
     cyclic collector walk every buffered one again and again: 39 % of the client's CPU
     at 256 x 256 on vLLM's wire (issue 21). It also builds in a fifth of a named tuple's
-    time. Unpacks like the tuple it was (``rid, body, finish = out``). An output never
-    refers back to itself, so it cannot be part of a reference cycle.
+    time. Unpacks like the tuple it was (``rid, body, finish = out``); unlike it, it is
+    mutable and unhashable. The collector never sees it, so it must not be part of a
+    reference cycle: do not store an output inside its own body (it would never be
+    freed). Decoded bodies never refer back to their output.
 
     The wire decoders make it with the request's wire id, and the core rewrites
     `request_id` in place to the application's id before delivering it (no copy).

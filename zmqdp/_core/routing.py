@@ -70,6 +70,7 @@ from .errors import InvalidRank, NoEngineAvailable, Overloaded
 from .messages import Load
 
 __all__ = [
+    "CAPACITY_SPREAD",
     "KV_THRESHOLD",
     "KV_WEIGHT",
     "SPEED_BAND",
@@ -86,6 +87,9 @@ SPEED_SPREAD = 0.5
 """`Routing.speed_score`: the weight of a rank's load (as a fraction of its capacity)."""
 SPEED_BAND = 0.25
 """`Routing.speed_score`: ranks this much slower than the fastest count as equally fast."""
+CAPACITY_SPREAD = 4
+"""`Routing.effective_capacity`: the most a rank's capacity counts for, in multiples of
+the smallest in the group."""
 SPEED_GRID = 1.1
 """`Routing.observe_outputs`: the fastest step time is rounded to a power of this."""
 STEP_RUN = 4
@@ -111,6 +115,7 @@ class Routing:
         "_next_start",
         "_reference",
         "_seq",
+        "_smallest_capacity",
         "_speed",
         "_step",
         "_timing",
@@ -133,9 +138,10 @@ class Routing:
         self._speed = speed
         self._capacity: list[int | None] = [None] * size
         self._step = [0.0] * size  # seconds per batch of outputs (EWMA); 0: not known yet
-        self._timing: list[tuple[float, int] | None] = [None] * size  # (since, batches)
+        self._timing: list[tuple[float, float] | None] = [None] * size  # (since, steps)
         self._fastest = 0.0  # the smallest known `_step`, assumed for ranks not timed yet
         self._reference = 1.0  # `_fastest` on a grid: what `speed_score` assumes for it
+        self._smallest_capacity: int | None = None
         self._up = [up] * size
         self._inflight: list[set[str]] = [set() for _ in range(size)]
         self._load: list[Load] = [_IDLE] * size
@@ -168,8 +174,7 @@ class Routing:
         self._up[rank] = True
         self._load[rank] = _IDLE
         self._seq[rank] = None
-        self._step[rank] = 0.0
-        self._timing[rank] = None
+        self._forget_step(rank)
         if self._tree is not None:
             self._rescore(rank)
 
@@ -180,15 +185,45 @@ class Routing:
         self._inflight[rank] = set()
         self._load[rank] = _IDLE
         self._seq[rank] = None
-        if self._tree is not None:
-            self._rescore(rank)
+        self._forget_step(rank)
         return held
 
-    def set_capacity(self, rank: int, capacity: int | None) -> None:
-        """How many requests `rank` runs at once (its `max_num_seqs`; None: unknown)."""
-        self._capacity[rank] = capacity if type(capacity) is int and capacity > 0 else None
+    def _forget_step(self, rank: int) -> None:
+        """A rank went down or came back: its step time belongs to the incarnation that
+        is gone (a fastest rank that died must not set the others' reference)."""
+        self._timing[rank] = None
+        self._step[rank] = 0.0
+        self._refresh_fastest(rank)
         if self._tree is not None:
             self._rescore(rank)
+
+    def set_capacity(self, rank: int, capacity: int | None) -> None:
+        """How many requests `rank` runs at once (its `max_num_seqs`; None: unknown).
+        Speed-aware scores use at most `CAPACITY_SPREAD` x the smallest known capacity,
+        and that smallest for a rank that gave none (`effective_capacity`)."""
+        self._capacity[rank] = capacity if type(capacity) is int and capacity > 0 else None
+        smallest = min((c for c in self._capacity if c is not None), default=None)
+        if smallest != self._smallest_capacity:
+            self._smallest_capacity = smallest
+            if self._tree is not None:
+                for r in range(self.size):
+                    self._rescore(r)
+                return
+        if self._tree is not None:
+            self._rescore(rank)
+
+    def effective_capacity(self, rank: int) -> int | None:
+        """The capacity speed-aware scores use: the rank's own, bounded by
+        `CAPACITY_SPREAD` x the smallest in the group (an engine that claims 2**62 must
+        not take every request), or that smallest if it gave none (None: nobody did)."""
+        smallest = self._smallest_capacity
+        own = self._capacity[rank]
+        if smallest is None:
+            return own
+        if own is None:
+            return smallest
+        bound = CAPACITY_SPREAD * smallest
+        return own if own < bound else bound
 
     def set_cap(self, rank: int, cap: int | None) -> None:
         """`rank` takes at most `cap` requests in flight (None: no cap)."""
@@ -240,7 +275,7 @@ class Routing:
         if step < fastest * (1.0 + SPEED_BAND):
             step = fastest
         held = self.load_score(rank)
-        capacity = self._capacity[rank]
+        capacity = self.effective_capacity(rank)
         if capacity is None:
             return step * (held + 1.0)
         queued = held + 1.0 - capacity
@@ -336,46 +371,52 @@ class Routing:
             self._rescore(rank)
         return True
 
-    def observe_outputs(self, rank: int, now: float, outputs: int = 1) -> None:
-        """`rank` sent a batch of `outputs` outputs at `now` (the dispatcher's time of
-        the pass that read it). Its step time is measured over runs while it holds
-        requests: each running request gets one output per step, so a run of `o`
-        outputs with `n` running (its in-flight count, at most its capacity) is `o / n`
-        steps, however the engine splits a step into batches (one per step as vLLM's
-        engines, or one per request: counting batches would make such a rank look `n`
-        times faster the busier it is). A run ends after `STEP_RUN` steps once time has
-        moved on (batches read in one pass share one `now`); runs are averaged
-        (`STEP_WEIGHT` for the newest)."""
+    def observe_outputs(
+        self, rank: int, now: float, outputs: int = 1, running: int | None = None
+    ) -> None:
+        """`rank` delivered `outputs` outputs (each naming a live request of the rank)
+        in one batch read at `now` (the dispatcher's time of its pass), while it held
+        `running` requests (default: what it holds now; the caller counts them before
+        the batch's terminal outputs free their slots).
+
+        Each running request gets one output per step, so the batch stands for
+        ``outputs / running`` steps (running capped by the rank's capacity: the rest
+        wait in its queue), at most one: one message per step as vLLM's engines send,
+        or one per request, give the same step time (counting batches would make a rank
+        that sends one per request look `n` times faster the busier it is). A run ends
+        after `STEP_RUN` steps once time has moved on (batches read in one pass share
+        one `now`); its time per step is averaged in (`STEP_WEIGHT` for the newest)."""
         timing = self._timing[rank]
         if timing is None:
             if self._inflight[rank]:
-                self._timing[rank] = (now, 0)  # the run starts at this batch
+                self._timing[rank] = (now, 0.0)  # the run starts at this batch
             return
-        since, seen = timing
-        seen += outputs
-        running = len(self._inflight[rank])
+        since, steps = timing
+        held = len(self._inflight[rank]) if running is None else running
         capacity = self._capacity[rank]
-        if capacity is not None and running > capacity:
-            running = capacity  # the rest wait in the engine's queue: no outputs
-        if running < 1:
-            running = 1
-        if seen < STEP_RUN * running or now <= since:
-            self._timing[rank] = (since, seen)
+        if capacity is not None and held > capacity:
+            held = capacity
+        if held >= 1 and outputs > 0:
+            steps += outputs / held if outputs < held else 1.0
+        if steps < STEP_RUN or now <= since:
+            self._timing[rank] = (since, steps)
             return
-        self._timing[rank] = (now, 0)
-        sample = (now - since) * running / seen
+        self._timing[rank] = (now, 0.0) if self._inflight[rank] else None
+        sample = (now - since) / steps
         old = self._step[rank]
-        step = sample if not old else old + STEP_WEIGHT * (sample - old)
-        self._step[rank] = step
+        self._step[rank] = sample if not old else old + STEP_WEIGHT * (sample - old)
+        self._refresh_fastest(rank)
+
+    def _refresh_fastest(self, rank: int) -> None:
+        """`rank`'s step time changed (or was forgotten): recompute the fastest of the
+        ranks that are up and its rounded reference, and rewrite the scores that use
+        it (all of them if the reference moved, else `rank`'s)."""
+        steps = self._step
+        self._fastest = min((s for r, s in enumerate(steps) if s and self._up[r]), default=0.0)
         fastest = self._fastest
-        if not fastest or step < fastest:
-            fastest = step
-        elif old == fastest:  # the fastest rank slowed down: which is fastest now?
-            fastest = min(s for s in self._step if s)
-        self._fastest = fastest
         # The step time the scores assume for the fastest ranks, on a grid of 10 % steps
         # so that it changes rarely: every score that uses it is then rewritten.
-        reference = SPEED_GRID ** round(math.log(fastest, SPEED_GRID))
+        reference = SPEED_GRID ** round(math.log(fastest, SPEED_GRID)) if fastest > 0 else 1.0
         if reference != self._reference:
             self._reference = reference
             if self._speed and self._tree is not None:

@@ -771,8 +771,6 @@ class GroupCore(Generic[H]):
             fx, result.bad_replies = self._bad_entries(rank, batch.bad_entries, rest)
         if batch.load is not None:
             self.routing.observe_load(rank, batch.load, batch.seq)
-        if batch.outputs:
-            self.routing.observe_outputs(rank, now, len(batch.outputs))
         clock = self.clock
         if clock is not None:
             if batch.wave_complete is not None:
@@ -795,7 +793,12 @@ class GroupCore(Generic[H]):
         """Route one slice's outputs and `finished` ids; then either more to do
         (`result.rest`), or the batch's end: its `dead`, applied last."""
         if outputs or finished:
+            routing = self.routing
+            running = routing.inflight_count(rank)  # before this slice frees its slots
+            before = len(fx.deliveries) if fx is not None else 0
             fx = self.book.apply_batch(rank, outputs, finished, fx)
+            if outputs:  # step timing (speed-aware routing) counts delivered outputs only
+                routing.observe_outputs(rank, now, len(fx.deliveries) - before, running)
             self.counters.late_outputs += fx.late
             self.counters.unknown_outputs += fx.unknown
             if not rest.tallied:
