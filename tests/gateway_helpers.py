@@ -51,6 +51,8 @@ class ScriptDialect:
     not know: dialects read `raw`), else ``{"tokens": max_tokens}``; output i is " t{i}".
     Every prompt counts as 3 tokens."""
 
+    fields = frozenset({"script"})
+
     def prepare(self, request: CompletionRequest) -> Prepared:
         body = request.raw.get("script", {"tokens": request.max_tokens})
         return Prepared(body, 3, self.decode)

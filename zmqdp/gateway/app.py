@@ -47,11 +47,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sniffio
@@ -62,8 +63,9 @@ from .backends import Backend, EventLike, GroupLike, backend_for
 from .completions import CompletionSettings, handle_completion
 from .dialect import Dialect, MockDialect
 from .errors import HTTPError
-from .http import Exchange, Receive, Scope, Send
+from .http import Exchange, Receive, Scope, Send, header
 from .metrics import GatewayCollector, HTTPCounters
+from .openai import MAX_MODEL_LENGTH
 
 __all__ = ["GatewayApp", "create_app"]
 
@@ -96,7 +98,8 @@ def create_app(
     group: GroupLike | None = None,
     mock: MockConfig | None = None,
     dialect: Dialect | None = None,
-    model: str = "zmqdp",
+    model: str | Sequence[str] = "zmqdp",
+    api_key: str | None = None,
     queue_timeout: float = 0.0,
     retry_after: int = 1,
     drain_timeout: float | None = 30.0,
@@ -119,9 +122,12 @@ def create_app(
     owns it: give no `url`, `engines`, `mock` or connect options).
 
     `dialect` translates requests and outputs (default `MockDialect`, the mock engine's
-    bodies); `model` names the model in responses to requests without one (a request's
-    own `model`, at most `openai.MAX_MODEL_LENGTH` = 256 characters, else 400, is
-    echoed as OpenAI's servers do). `queue_timeout`: seconds a request waits for
+    bodies); `model`: the name the model is served under, or several (vLLM's
+    `--served-model-name`): the first names it in responses to requests without one, a
+    request naming another gets 404 ``model_not_found``, as OpenAI answers it (a
+    request's own name is echoed). `api_key`: the `/v1/` routes need
+    ``Authorization: Bearer <api_key>`` (401 ``invalid_api_key`` otherwise; the probes
+    and `/metrics` stay open, as vLLM's). `queue_timeout`: seconds a request waits for
     admission room before a 429 (0: 429 at once); `retry_after`: the `Retry-After` of
     429 and 503 answers. `drain_timeout`: seconds a drain waits for live requests
     (None: no limit); `drain_grace`: seconds between `/ready` turning 503 and the group
@@ -148,6 +154,13 @@ def create_app(
     if group is None:
         connect_options.setdefault("max_buffered", DEFAULT_MAX_BUFFERED)
         connect_options.setdefault("recover", True)  # a failed group comes back: 503 meanwhile
+    served = (model,) if isinstance(model, str) else tuple(model)
+    if not served or not all(isinstance(m, str) and 0 < len(m) <= 256 for m in served):
+        raise ValueError(
+            f"model must be one name or several, each of 1 to 256 characters: {model!r}"
+        )
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string or None")
     if queue_timeout < 0 or retry_after < 0 or drain_grace < 0:
         raise ValueError("queue_timeout, retry_after and drain_grace must be >= 0")
     if drain_timeout is not None and drain_timeout < 0:
@@ -160,7 +173,8 @@ def create_app(
             raise ValueError(f"{name} must be >= 1 or None")
     settings = CompletionSettings(
         dialect=MockDialect() if dialect is None else dialect,
-        model=model,
+        model=served[0],
+        served=served,
         queue_timeout=queue_timeout,
         retry_after=retry_after,
         max_body_size=max_body_size,
@@ -169,6 +183,7 @@ def create_app(
     )
     return GatewayApp._create(
         url=url,
+        api_key=api_key,
         engines=mock.engines if mock is not None else engines,
         group=group,
         mock=mock,
@@ -194,6 +209,8 @@ class GatewayApp:
         self._drain_timeout: float | None = kw["drain_timeout"]
         self._drain_grace: float = kw["drain_grace"]
         self._connect_options: dict[str, Any] = kw["connect_options"]
+        key: str | None = kw["api_key"]
+        self._bearer = None if key is None else b"Bearer " + key.encode()
         self._backend: Backend | None = None
         self._drain_asked = False
         self._stop_asked = False
@@ -284,7 +301,25 @@ class GatewayApp:
             return
         if self._backend is None:  # no lifespan (an embedded group): pick it now
             self._use(backend_for(sniffio.current_async_library()))
-        route = self._routes.get(scope["path"])
+        path = scope["path"]
+        route = self._routes.get(path)
+        if route is None and path.startswith("/v1/models/"):
+            route = ("models", "GET", self._model)
+        if route is not None and self._bearer is not None and path.startswith("/v1/"):
+            given = header(scope, b"authorization") or b""
+            if not hmac.compare_digest(given.strip(), self._bearer):
+                await self._error(
+                    send,
+                    route[0],
+                    HTTPError(
+                        401,
+                        "invalid_request_error",
+                        "invalid_api_key",
+                        "a missing or wrong API key: send 'Authorization: Bearer <key>' with "
+                        "the key this server was started with",
+                    ),
+                )
+                return
         if route is None:
             await self._error(
                 send,
@@ -335,12 +370,25 @@ class GatewayApp:
         )
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        model = self._settings.model
-        body = {
-            "object": "list",
-            "data": [{"id": model, "object": "model", "created": 0, "owned_by": "zmqdp"}],
-        }
+        body = {"object": "list", "data": [_model_object(m) for m in self._settings.served]}
         await Exchange(send, "models", self.counters).respond(200, json.dumps(body).encode())
+
+    async def _model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`GET /v1/models/{id}`: the model object, or 404 as OpenAI answers it."""
+        name = scope["path"][len("/v1/models/") :]
+        exchange = Exchange(send, "models", self.counters)
+        if name in self._settings.served:
+            await exchange.respond(200, json.dumps(_model_object(name)).encode())
+            return
+        await exchange.fail(
+            HTTPError(
+                404,
+                "invalid_request_error",
+                "model_not_found",
+                f"the model {name[:MAX_MODEL_LENGTH]!r} does not exist",
+                param="model",
+            )
+        )
 
     def _health(self) -> Any:
         return None if self._group is None else self._group.health()
@@ -463,6 +511,10 @@ class GatewayApp:
             await group.drain(self._drain_timeout)
             log.info("the engine group is drained")
         self._drained.set()
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "zmqdp"}
 
 
 async def _next_message(receive: Receive) -> Mapping[str, Any]:

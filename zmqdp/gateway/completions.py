@@ -81,7 +81,7 @@ from .dialect import CompletionRequest, Dialect, Prepared
 from .errors import HTTPError, http_error
 from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_disconnect
 from .metrics import HTTPCounters
-from .openai import DONE, ChunkEncoder, chunk, completion, parse_completion
+from .openai import DONE, MAX_MODEL_LENGTH, ChunkEncoder, chunk, completion, parse_completion
 
 __all__ = ["MAX_RANK_DIGITS", "RANK_HEADER", "CompletionSettings", "handle_completion"]
 
@@ -104,7 +104,9 @@ SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 class CompletionSettings:
     dialect: Dialect
     model: str
-    """The `model` of responses to requests that name none."""
+    """The `model` of responses to requests that name none (the first served name)."""
+    served: tuple[str, ...]
+    """Every name the model is served under: a request naming another gets 404."""
     queue_timeout: float
     """Seconds to wait for admission room before a 429 (0: answer 429 at once)."""
     retry_after: int
@@ -194,7 +196,16 @@ async def handle_completion(
             if body is None:
                 counters.disconnects[exchange.route] += 1
                 return
-            request = parse_completion(body)
+            request = parse_completion(body, getattr(settings.dialect, "fields", frozenset()))
+            if request.model is not None and request.model not in settings.served:
+                raise HTTPError(
+                    404,
+                    "invalid_request_error",
+                    "model_not_found",
+                    f"the model {request.model[:MAX_MODEL_LENGTH]!r} does not exist: this "
+                    f"server serves {', '.join(map(repr, settings.served))}",
+                    param="model",
+                )
             rank = _rank(scope)
             _check_collected(request, settings)
             try:

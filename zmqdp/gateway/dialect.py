@@ -48,8 +48,9 @@ class CompletionRequest:
     include_usage: bool
     """`stream_options.include_usage`: a last chunk with `usage` before `[DONE]`."""
     raw: Mapping[str, Any]
-    """The whole JSON object, for the fields a dialect reads itself (`temperature`,
-    `stop`, `seed`, ...): the gateway ignores the fields it does not know."""
+    """The request's fields that the dialect reads itself (its `Dialect.fields`:
+    `temperature`, `stop`, `seed`, ...), those sent and not null. Every other field
+    was refused with a 400 unless it had its neutral value (openai.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,11 @@ class Prepared:
 
 
 class Dialect(Protocol):
-    """Translates between OpenAI completions and one engine's bodies (module docstring)."""
+    """Translates between OpenAI completions and one engine's bodies (module docstring).
+
+    A dialect may have a `fields` attribute (a frozenset of request field names): the
+    fields it reads from `CompletionRequest.raw` and honours. The gateway refuses any
+    other field it does not read itself (openai.py); no attribute means none."""
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         """The engine body for `request`; `ValueError` (its message goes to the client,
@@ -101,6 +106,8 @@ class MockDialect:
     """
 
     max_prompt_tokens: int = 1 << 20
+    fields: frozenset[str] = frozenset()
+    """The mock honours no sampling field: `temperature`, `stop`... are refused."""
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         prompt = request.prompt

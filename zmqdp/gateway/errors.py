@@ -3,7 +3,11 @@
 =====================================  ======  ==========================================
 failure                                status  meaning for the client
 =====================================  ======  ==========================================
-invalid JSON, a wrong field,           400     fix the request; do not retry as is
+invalid JSON, a wrong field, a field   400     fix the request; do not retry as is
+the engine cannot honour (named in
+`param`, ``unsupported_parameter``),
+an unknown field
+(``unrecognized_argument``),
 `InvalidRequest`, a pinned rank that
 does not exist (`X-Data-Parallel-Rank`),
 a non-streaming `max_tokens` past
@@ -18,6 +22,12 @@ the gateway stopping (`stop_now()`:
 ``shutting_down``)
 `RequestTimeout` (the request's        504     the engine did not finish in time; the
 deadline passed)                               request was aborted on its rank
+                                               (``x-should-retry: false``)
+a streaming client reading too slowly  400     ``client_too_slow`` (sent as the last SSE
+(`StreamOverflow`: `max_buffered`              event: the status is out already)
+outputs waited unread)
+a `model` that is not served           404     ``model_not_found``, as OpenAI answers
+a missing or wrong API key (`api_key`) 401     ``invalid_api_key``
 `EngineDead`, `ProtocolError`,         502     the engine failed the request
 `StreamTruncated`, a non-streaming
 answer past `max_collected_tokens` or
@@ -67,6 +77,7 @@ class HTTPError(Exception):
         *,
         param: str | None = None,
         retry_after: int | None = None,
+        should_retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -76,6 +87,9 @@ class HTTPError(Exception):
         self.param = param
         self.retry_after = retry_after
         """Seconds for a `Retry-After` header (429, 503), or None for none."""
+        self.should_retry = should_retry
+        """An `x-should-retry` header (the OpenAI clients obey it over their own rule,
+        which retries every 5xx twice), or None for none."""
 
 
 def http_error(exc: BaseException, *, retry_after: int, size: int) -> HTTPError:
@@ -85,7 +99,16 @@ def http_error(exc: BaseException, *, retry_after: int, size: int) -> HTTPError:
         return exc
     message = str(exc)
     if isinstance(exc, Overloaded):
-        return HTTPError(429, "rate_limit_error", "overloaded", message, retry_after=retry_after)
+        where = "every engine rank is" if exc.rank is None else f"engine rank {exc.rank} is"
+        cap = "" if exc.cap is None else f" of {exc.cap}"
+        return HTTPError(
+            429,
+            "rate_limit_error",
+            "overloaded",
+            f"request {exc.request_id!r}: {where} at its limit{cap} requests in flight; "
+            f"retry after {retry_after} s",
+            retry_after=retry_after,
+        )
     if isinstance(exc, GroupDraining):
         return HTTPError(503, "service_unavailable", "draining", message, retry_after=retry_after)
     if isinstance(exc, GroupClosed):
@@ -105,7 +128,9 @@ def http_error(exc: BaseException, *, retry_after: int, size: int) -> HTTPError:
     if isinstance(exc, InvalidRequest | DuplicateRequestId):
         return HTTPError(400, "invalid_request_error", "invalid_request", message)
     if isinstance(exc, RequestTimeout):
-        return HTTPError(504, "timeout_error", "request_timeout", message)
+        # Not retried by the client: the same request would run to the same deadline
+        # (the OpenAI clients otherwise send it twice more).
+        return HTTPError(504, "timeout_error", "request_timeout", message, should_retry=False)
     if isinstance(exc, EngineDead):
         return HTTPError(502, "engine_error", "engine_dead", message)
     if isinstance(exc, ProtocolError):
@@ -113,7 +138,15 @@ def http_error(exc: BaseException, *, retry_after: int, size: int) -> HTTPError:
     if isinstance(exc, StreamTruncated):
         return HTTPError(502, "engine_error", "truncated", message)
     if isinstance(exc, StreamOverflow):
-        return HTTPError(500, "internal_error", "stream_overflow", message)
+        # The gateway's writer is this stream's consumer: it fell behind because the
+        # client read the response too slowly (TCP backpressure), not a server fault.
+        return HTTPError(
+            400,
+            "invalid_request_error",
+            "client_too_slow",
+            f"the client read the response too slowly: {message}",
+            should_retry=False,
+        )
     # Not one of ours: its text may hold anything (a path, a prompt), so the client gets
     # its type only; the caller logs the whole of it.
     return HTTPError(

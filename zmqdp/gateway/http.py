@@ -91,6 +91,8 @@ class Exchange:
             await self.body(sse(error_body(error)))
             return
         extra = [] if error.retry_after is None else [(b"retry-after", b"%d" % error.retry_after)]
+        if error.should_retry is not None:
+            extra.append((b"x-should-retry", b"true" if error.should_retry else b"false"))
         await self.respond(error.status, error_body(error), extra=extra)
 
 

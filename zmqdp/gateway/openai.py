@@ -1,9 +1,14 @@
 """The OpenAI wire format of `/v1/completions`: the request's validation, the response
 object, the streaming chunks and the error bodies.
 
-Only what the completions endpoint needs. Unknown request fields are ignored (a dialect
-may read them from `CompletionRequest.raw`); the known ones are checked, and a wrong one
-is a 400 naming the field (`param`), as OpenAI does. JSON is written compact and ASCII
+Only what the completions endpoint needs. Every field is accounted for: the gateway's own
+(`GATEWAY_FIELDS`) are checked, and a wrong one is a 400 naming the field (`param`), as
+OpenAI does; the dialect's (`Dialect.fields`: sampling parameters its engine honours) go
+to it in `CompletionRequest.raw`; an OpenAI field that neither handles is a 400
+``unsupported_parameter`` naming it unless it has its neutral value (`NEUTRAL`): a
+server that silently ignores `stop` or `temperature` answers a different question than
+the one asked. Any other field is a 400 ``unrecognized_argument``, as OpenAI answers it.
+A field sent as ``null`` is absent. JSON is written compact and ASCII
 so that a chunk is a few hundred bytes whatever the text.
 """
 
@@ -17,6 +22,9 @@ from .errors import HTTPError
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "GATEWAY_FIELDS",
+    "NEUTRAL",
+    "OPENAI_FIELDS",
     "MAX_MODEL_LENGTH",
     "ChunkEncoder",
     "DONE",
@@ -38,6 +46,38 @@ MAX_MODEL_LENGTH = 256
 """The longest `model` taken (characters). The name is echoed in the response, and in
 every chunk of a stream: unbounded, a 3 MB name made each chunk 3 MB (a client could
 have the gateway write hundreds of MiB a second for a few tokens)."""
+
+GATEWAY_FIELDS = frozenset(
+    {"model", "prompt", "max_tokens", "stream", "stream_options", "user", "n"}
+)
+"""The fields the gateway itself reads and checks."""
+OPENAI_FIELDS = frozenset(
+    {
+        "best_of",
+        "echo",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "presence_penalty",
+        "seed",
+        "stop",
+        "suffix",
+        "temperature",
+        "top_p",
+    }
+)
+"""The other fields of OpenAI's completions API: a dialect may honour some of them."""
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),
+    "echo": (False,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "stop": ([], ""),
+    "suffix": ("",),
+    "top_p": (1,),
+}
+"""Values that ask for nothing (what the field's absence means): taken whoever serves."""
 
 DONE = b"data: [DONE]\n\n"
 """The last event of a stream that ended well."""
@@ -83,8 +123,48 @@ _DIGIT_LIMIT = "integer string conversion"
 """In the `ValueError` of `json.loads` for an int past Python's digit limit."""
 
 
-def parse_completion(body: bytes) -> CompletionRequest:
-    """A validated request, or `HTTPError` 400 (invalid JSON, a wrong known field)."""
+def _unsupported(key: str, value: Any) -> HTTPError:
+    if key in OPENAI_FIELDS:
+        return HTTPError(
+            400,
+            "invalid_request_error",
+            "unsupported_parameter",
+            f"'{key}' is not supported by this server's engine (got {_show(value)}); "
+            "remove it: it would be ignored",
+            param=key,
+        )
+    return HTTPError(
+        400,
+        "invalid_request_error",
+        "unrecognized_argument",
+        f"unrecognized request argument supplied: {key[:64]!r}",
+        param=key[:64],
+    )
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """`value` is `neutral` (0.0 is 0, False is not 0)."""
+    return bool(value == neutral) and (type(value) is bool) == (type(neutral) is bool)
+
+
+def _extra_fields(data: dict[str, Any], dialect_fields: frozenset[str]) -> dict[str, Any]:
+    """The dialect's fields of `data`; `HTTPError` 400 for any field nobody reads."""
+    raw: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in GATEWAY_FIELDS or value is None:
+            continue
+        if key in dialect_fields:
+            raw[key] = value
+        elif not any(_same(value, n) for n in NEUTRAL.get(key, ())):
+            raise _unsupported(key, value)
+    return raw
+
+
+def parse_completion(
+    body: bytes, dialect_fields: frozenset[str] = frozenset()
+) -> CompletionRequest:
+    """A validated request, or `HTTPError` 400 (invalid JSON, a wrong known field, a
+    field neither the gateway nor the dialect (`dialect_fields`) reads)."""
     try:
         data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -150,7 +230,8 @@ def parse_completion(body: bytes) -> CompletionRequest:
         if not isinstance(options, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
         include_usage = options.get("include_usage") is True
-    return CompletionRequest(prompt, max_tokens, stream, model, user, include_usage, data)
+    raw = _extra_fields(data, dialect_fields)
+    return CompletionRequest(prompt, max_tokens, stream, model, user, include_usage, raw)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

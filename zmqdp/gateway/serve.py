@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -106,6 +107,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--server", choices=("hypercorn", "uvicorn"), default="hypercorn")
     http.add_argument("--model", default="zmqdp", help="the model name in responses")
     http.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names the model is served under (the first in responses; a request "
+        "naming another gets 404); default: --model",
+    )
+    http.add_argument(
+        "--api-key",
+        default=os.environ.get("ZMQDP_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $ZMQDP_API_KEY)",
+    )
+    http.add_argument(
         "--queue-timeout", type=float, default=0.0, help="wait for room before a 429, s"
     )
     http.add_argument("--retry-after", type=int, default=1, help="Retry-After of 429/503, s")
@@ -159,7 +172,8 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
 
         options["curve"] = load_client_keys(args.keys)
     common: dict[str, Any] = {
-        "model": args.model,
+        "model": args.served_model_name or args.model,
+        "api_key": args.api_key or None,
         "queue_timeout": args.queue_timeout,
         "retry_after": args.retry_after,
         "drain_timeout": args.drain_timeout,
