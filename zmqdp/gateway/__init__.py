@@ -26,6 +26,7 @@ from .app import GatewayApp, create_app
 from .backends import GroupLike, StreamLike
 from .dialect import CompletionRequest, Dialect, MockDialect, Piece, Prepared
 from .errors import HTTPError
+from .vllm_dialect import VllmDialect
 
 __all__ = [
     "CompletionRequest",
@@ -37,5 +38,6 @@ __all__ = [
     "Piece",
     "Prepared",
     "StreamLike",
+    "VllmDialect",
     "create_app",
 ]

@@ -98,6 +98,7 @@ def create_app(
     group: GroupLike | None = None,
     mock: MockConfig | None = None,
     dialect: Dialect | None = None,
+    wire: Any = None,
     model: str | Sequence[str] = "zmqdp",
     api_key: str | None = None,
     queue_timeout: float = 0.0,
@@ -122,7 +123,9 @@ def create_app(
     owns it: give no `url`, `engines`, `mock` or connect options).
 
     `dialect` translates requests and outputs (default `MockDialect`, the mock engine's
-    bodies); `model`: the name the model is served under, or several (vLLM's
+    bodies; `VllmDialect(MODEL_DIR)` for vLLM engine cores, with `wire=` a
+    `zmqdp.vllm.dialect(moe=...)`: the engine protocol of the group the app connects,
+    native by default); `model`: the name the model is served under, or several (vLLM's
     `--served-model-name`): the first names it in responses to requests without one, a
     request naming another gets 404 ``model_not_found``, as OpenAI answers it (a
     request's own name is echoed). `api_key`: the `/v1/` routes need
@@ -151,6 +154,10 @@ def create_app(
             mock = dataclasses.replace(mock, engines=engines)
     elif url is None or engines is None:
         raise ValueError("create_app needs url and engines, a mock config, or a group")
+    if wire is not None:
+        if group is not None or mock is not None:
+            raise ValueError("wire= is for the group create_app connects (url and engines)")
+        connect_options["dialect"] = wire
     if group is None:
         connect_options.setdefault("max_buffered", DEFAULT_MAX_BUFFERED)
         connect_options.setdefault("recover", True)  # a failed group comes back: 503 meanwhile

@@ -359,8 +359,11 @@ class _Response:
                 piece = decode(out)
                 chars += text.write(piece.text)
                 tokens += piece.tokens
-                if out.finish is not None:
+                if out.finish is not None or piece.finish_reason is not None:
+                    # (a dialect's finish before the engine's: a stop string; leaving the
+                    # stream's block aborts the request on its rank)
                     finish = piece.finish_reason or "stop"
+                    break
             if max_tokens is not None and tokens > max_tokens:
                 raise self._too_large(f"{tokens} tokens", f"{max_tokens} tokens")
             if max_chars is not None and chars > max_chars:
@@ -409,8 +412,9 @@ class _Response:
                 piece = decode(out)
                 parts.append(piece.text)
                 batch_tokens += piece.tokens
-                if out.finish is not None:
-                    finish = piece.finish_reason or "stop"
+                if out.finish is not None or piece.finish_reason is not None:
+                    finish = piece.finish_reason or "stop"  # (as in `_complete`)
+                    break
             tokens += batch_tokens
             counters.completion_tokens += batch_tokens
             data = encoder.text("".join(parts), finish)

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from .._core.messages import Output
 
 __all__ = ["CompletionRequest", "Dialect", "MockDialect", "Piece", "Prepared"]
+# (`VllmDialect`, for vLLM engine cores with a tokenizer: vllm_dialect.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,9 @@ class Piece:
     """Completion tokens this output stands for (`usage.completion_tokens`)."""
     finish_reason: str | None = None
     """The OpenAI finish reason (`"stop"`, `"length"`...) of the terminal output; if a
-    dialect leaves it None there, the gateway says `"stop"`."""
+    dialect leaves it None there, the gateway says `"stop"`. Set on an output that is
+    not the engine's last (a stop string the dialect found), it ends the response
+    there: later outputs are dropped and the request is aborted on its rank."""
 
 
 @dataclass(frozen=True, slots=True)

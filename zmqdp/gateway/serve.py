@@ -58,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's options."""
     group = parser.add_argument_group("engine group")
     group.add_argument("--mock", action="store_true", help="run an embedded mock group")
+    group.add_argument(
+        "--vllm",
+        metavar="MODEL_DIR",
+        help="front headless vLLM engine cores (vllm serve MODEL --headless ...) of this "
+        "model directory: its tokenizer.json, config.json; --url is their "
+        "--data-parallel-address/--data-parallel-rpc-port (tcp, with --insecure)",
+    )
+    group.add_argument("--moe", action="store_true", help="--vllm: an MoE (lockstep) group")
     group.add_argument("--url", help="the group URL to bind (default with --mock: private ipc)")
     group.add_argument("--engines", type=int, help="ranks (default with --mock: 2)")
     group.add_argument(
@@ -192,6 +200,18 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         return create_app(args.url, mock=mock, **common, **options)
     if args.url is None or args.engines is None:
         raise SystemExit("zmqdp serve: give --url URL --engines N, or --mock")
+    if args.vllm is not None:
+        from .. import vllm
+        from .vllm_dialect import VllmDialect
+
+        try:
+            dialect = VllmDialect(args.vllm)
+        except (OSError, ValueError, Exception) as exc:  # tokenizers raises its own
+            raise SystemExit(f"zmqdp serve --vllm {args.vllm}: {exc}") from None
+        if args.served_model_name is None and args.model == "zmqdp":
+            common["model"] = args.vllm.rstrip("/")  # as vLLM names a model: its path
+        wire = vllm.dialect(moe=args.moe)
+        return create_app(args.url, args.engines, dialect=dialect, wire=wire, **common, **options)
     return create_app(args.url, args.engines, **common, **options)
 
 

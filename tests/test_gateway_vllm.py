@@ -1,0 +1,186 @@
+"""The gateway in front of vLLM engine cores (`VllmDialect`, issue 22): the model
+directory's tokenizer, incremental detokenization, stop strings checked by the gateway,
+the OpenAI sampling fields as vLLM's `SamplingParams`, and the refusals that keep bad
+input away from the engines. Against tests/fakes/vllm.py's faithful fake engines (real
+engines: tests/real_vllm/), the model directory tests/data/tiny-model/ (the real-engine
+suite's dense model: a byte-level BPE tokenizer of 870 tokens, no weights).
+
+The fakes generate token ids counting up from the prompt's last one: after "x" (id 91)
+come 92, 93, ... which decode to "yz{|}~" and then to byte tokens that only make whole
+characters together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zmqdp._core.messages import Output
+from zmqdp.gateway import GatewayApp, VllmDialect, create_app
+from zmqdp.gateway.vllm_dialect import _Decoder
+from zmqdp.vllm import VllmOutput
+
+from .gateway_helpers import all_events
+from .test_gateway import serving
+from .test_vllm_group import vllm_group
+
+pytest.importorskip("tokenizers", reason="the vllm extra (tokenizers)")
+
+MODEL = Path(__file__).parent / "data" / "tiny-model"
+
+
+def dialect() -> VllmDialect:
+    return VllmDialect(MODEL)
+
+
+def text_of(ids: list[int]) -> str:
+    decoded: str = dialect().model.tokenizer.decode(ids, skip_special_tokens=True)
+    return decoded
+
+
+async def test_a_text_prompt_is_tokenized_and_the_answer_detokenized() -> None:
+    async with vllm_group(2) as (group, fake):
+        app: GatewayApp = create_app(group=group, dialect=dialect(), model="tiny")
+        async with serving(app) as client:
+            response = await client.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 6, "temperature": 0}
+            )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["text"] == "yz{|}~" == text_of(list(range(92, 98)))
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}
+    [add] = [a for e in fake.engines for a in e.got("add")]
+    assert add[1] == [91]  # the tokenized prompt
+    assert add[3]["temperature"] == 0.0 and add[3]["max_tokens"] == 6
+    assert add[3]["_eos_token_id"] == 0  # the model's EOS (generation_config.json)
+
+
+async def test_sampling_fields_reach_the_engine_as_vllms_sampling_params() -> None:
+    fields = {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stop_token_ids": [3]}
+    async with (
+        vllm_group(1) as (group, fake),
+        serving(create_app(group=group, dialect=dialect())) as client,
+    ):
+        response = await client.post(
+            "/v1/completions", json={"prompt": [10, 20], "max_tokens": 2, **fields}
+        )
+    assert response.status_code == 200, response.text
+    [add] = fake.engines[0].got("add")
+    sampling = add[3]
+    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (0.5, 0.9, 5)
+    assert sampling["seed"] == 7 and sampling["stop_token_ids"] == [3]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_string_ends_the_answer_before_it_and_aborts_the_request(
+    stream: bool,
+) -> None:
+    # one step every 10 ms: the 400 tokens would take 4 s, the stop string comes at the
+    # fourth, so the request is still running on its rank when the gateway aborts it
+    async with vllm_group(1, fake_kw={"step_delay": 0.01}) as (group, fake):
+        async with serving(create_app(group=group, dialect=dialect())) as client:
+            request = {"prompt": "x", "max_tokens": 400, "stop": ["|}"], "stream": stream}
+            if stream:
+                async with client.stream("POST", "/v1/completions", json=request) as response:
+                    events = await all_events(response)
+                assert events[-1] == "[DONE]"
+                chunks = events[:-1]
+                text = "".join(_chunk_text(c) for c in chunks)
+                assert all("|}" not in _chunk_text(c) for c in chunks)
+                finish = _finish_of(chunks)
+            else:
+                response = await client.post("/v1/completions", json=request)
+                assert response.status_code == 200, response.text
+                choice = response.json()["choices"][0]
+                text, finish = choice["text"], choice["finish_reason"]
+        engine = fake.engines[0]
+        await engine.wait_for(lambda: bool(engine.got("abort")))
+    assert text == "yz{" and finish == "stop"
+
+
+def _chunk_text(event: str) -> str:
+    choices = json.loads(event)["choices"]
+    return "".join(c["text"] for c in choices)
+
+
+def _finish_of(events: list[str]) -> str | None:
+    for event in events:
+        for c in json.loads(event)["choices"]:
+            if c.get("finish_reason"):
+                return str(c["finish_reason"])
+    return None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [10, 870]}, "out of vocabulary"),
+        ({"prompt": "x", "max_tokens": 512}, "maximum context length is 512"),
+        ({"prompt": "x", "temperature": 3}, "'temperature' must be a number from 0 to 2"),
+        ({"prompt": "x", "stop": [""]}, "'stop' must be"),
+        ({"prompt": "x", "stop_token_ids": [9999]}, "'stop_token_ids'"),
+        ({"prompt": "x", "logprobs": 1}, "'logprobs' is not supported"),
+    ],
+)
+async def test_bad_input_is_a_400_and_never_reaches_an_engine(
+    body: dict[str, Any], param: str
+) -> None:
+    async with (
+        vllm_group(1) as (group, fake),
+        serving(create_app(group=group, dialect=dialect())) as client,
+    ):
+        response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert param in response.json()["error"]["message"]
+    assert fake.engines[0].got("add") == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from("ab xyz\néö🙂{}"), min_size=1, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_incremental_detokenization_equals_decoding_the_whole(text: str, cuts: list[int]) -> None:
+    """Any split of a token sequence into outputs gives the text of the whole sequence
+    (multi-byte characters over several byte tokens included)."""
+    d = dialect()
+    ids = d.encode(text)
+    bounds = sorted({min(c, len(ids)) for c in cuts} | {0, len(ids)})
+    decoder = _Decoder(d.model.tokenizer, ())
+    pieces = []
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        last = i == len(bounds) - 2
+        out = Output("r", VllmOutput(ids[a:b]), "length" if last else None)
+        pieces.append(decoder.decode(out).text)
+    assert "".join(pieces) == d.model.tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from("ab xyz"), min_size=1, max_size=40),
+    stop=st.text(alphabet=st.sampled_from("ab xy"), min_size=1, max_size=3),
+)
+def test_stop_strings_end_the_text_at_their_first_occurrence(text: str, stop: str) -> None:
+    d = dialect()
+    ids = d.encode(text)
+    decoder = _Decoder(d.model.tokenizer, (stop,))
+    out_text, finish = "", None
+    for i, t in enumerate(ids):
+        piece = decoder.decode(
+            Output("r", VllmOutput([t]), "length" if i == len(ids) - 1 else None)
+        )
+        out_text += piece.text
+        if piece.finish_reason is not None:
+            finish = piece.finish_reason
+            break
+    if stop in text:
+        assert (out_text, finish) == (text[: text.index(stop)], "stop")
+    else:
+        assert (out_text, finish) == (text, "length")

@@ -1,0 +1,265 @@
+"""`VllmDialect`: OpenAI completions in front of vLLM engine cores (``vllm serve MODEL
+--headless``), with the model directory's tokenizer, as vLLM's own frontend does it.
+
+Theory of operation
+-------------------
+vLLM's engine cores take token ids and send token ids; everything textual is the
+frontend's (vLLM's `InputProcessor` and `OutputProcessor`). Here, per request:
+
+1. `prepare` tokenizes a text prompt (`tokenizers`, the model's ``tokenizer.json``, with
+   its post-processor: BOS where the model wants one), or checks a token-id prompt: every
+   id must be in the tokenizer's vocabulary (an id past the engine's embedding is fatal
+   to the engine, so it never gets there). The prompt plus `max_tokens` must fit the
+   model's length, as vLLM answers (400). The OpenAI sampling fields become vLLM's
+   `SamplingParams` (`FIELDS`); `stop` strings stay here (the engine only knows stop
+   token ids), and the model's EOS token id goes with the request.
+2. `decode` turns each output's new token ids into text incrementally
+   (`tokenizers.decoders.DecodeStream`: a multi-byte character split over several
+   tokens comes out whole, once its last byte is there; special tokens are skipped).
+3. Stop strings: the text is searched as it grows. Up to the longest stop string minus
+   one character is held back (it may be the start of a stop string the next token
+   completes), so a stop string never reaches the client. On a match the text ends
+   before it (vLLM's default, `include_stop_str_in_output` false) and the piece says
+   ``finish_reason="stop"``: the gateway ends the response there and aborts the
+   request on its rank. The engine's own finish releases what was held back.
+
+`usage.completion_tokens` counts the engine's tokens (those after a stop string
+included, up to the output that completed it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._core.messages import Output
+from .dialect import CompletionRequest, Piece, Prepared
+
+__all__ = ["FIELDS", "MAX_STOP_STRINGS", "VllmDialect"]
+
+FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+    }
+)
+"""The request fields this dialect honours (OpenAI's, and vLLM's extensions of them)."""
+MAX_STOP_STRINGS = 16
+"""At most this many stop strings per request (OpenAI takes 4)."""
+MAX_STOP_LENGTH = 256
+"""The longest stop string taken (characters)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    tokenizer: Any
+    vocab: int
+    eos_token_id: int | None
+    max_model_len: int | None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text())
+    return value if isinstance(value, dict) else {}
+
+
+def _first_int(value: Any) -> int | None:
+    if type(value) is int:
+        return value
+    if isinstance(value, list) and value and type(value[0]) is int:
+        return int(value[0])
+    return None
+
+
+def _number(raw: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"'{name}' must be a number from {low:g} to {high:g}, got {value!r:.40}")
+    return float(value)
+
+
+def _integer(raw: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"'{name}' must be an int from {low} to {high}, got {value!r:.40}")
+    return value
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in stops)
+    ):
+        raise ValueError(
+            f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1 "
+            f"to {MAX_STOP_LENGTH} characters"
+        )
+    return tuple(stops)
+
+
+class VllmDialect:
+    """Completions for vLLM engine cores: `VllmDialect("/models/tiny")` reads the model
+    directory's ``tokenizer.json`` (and ``config.json``, ``generation_config.json``
+    for the EOS token id and the model length). Serve it with a group from
+    `zmqdp.vllm.connect` (or `python -m zmqdp serve --vllm MODEL_DIR`).
+
+    `max_model_len`: the longest prompt + completion (default: the model's
+    ``max_position_embeddings``, else the tokenizer's ``model_max_length``)."""
+
+    fields = FIELDS
+
+    def __init__(self, model_dir: str | Path, *, max_model_len: int | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        directory = Path(model_dir)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{directory}: no tokenizer.json (a Hugging Face model directory)")
+        tokenizer = Tokenizer.from_file(str(path))
+        config = _read_json(directory / "config.json")
+        generation = _read_json(directory / "generation_config.json")
+        tokenizer_config = _read_json(directory / "tokenizer_config.json")
+        eos = _first_int(generation.get("eos_token_id"))
+        if eos is None:
+            eos = _first_int(config.get("eos_token_id"))
+        if eos is None and isinstance(tokenizer_config.get("eos_token"), str):
+            eos = tokenizer.token_to_id(tokenizer_config["eos_token"])
+        if max_model_len is None:
+            length = config.get("max_position_embeddings", tokenizer_config.get("model_max_length"))
+            max_model_len = length if type(length) is int and 0 < length < 1 << 40 else None
+        self.model = _Model(
+            tokenizer, tokenizer.get_vocab_size(with_added_tokens=True), eos, max_model_len
+        )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.model.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.model.tokenizer.encode(text).ids
+        return ids
+
+    def prepare(self, request: CompletionRequest) -> Prepared:
+        from ..vllm import SamplingParams, VllmRequest
+
+        model = self.model
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if t >= model.vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"'prompt': token id {bad} is out of vocabulary (the model has "
+                    f"{model.vocab} tokens)"
+                )
+        if not ids:
+            raise ValueError("'prompt' is empty (no tokens)")
+        length = model.max_model_len
+        if length is not None and len(ids) + request.max_tokens > length:
+            raise ValueError(
+                f"this model's maximum context length is {length} tokens; you requested "
+                f"{len(ids) + request.max_tokens} ({len(ids)} in the prompt, "
+                f"{request.max_tokens} in the completion ('max_tokens'))"
+            )
+        raw = request.raw
+        stop_ids = raw.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(
+            type(t) is int and 0 <= t < model.vocab for t in stop_ids
+        ):
+            raise ValueError(f"'stop_token_ids' must be a list of token ids below {model.vocab}")
+        ignore_eos = raw.get("ignore_eos", False)
+        if type(ignore_eos) is not bool:
+            raise ValueError("'ignore_eos' must be a boolean")
+        options: dict[str, Any] = {
+            "temperature": _number(raw, "temperature", 0.0, 2.0),
+            "top_p": _number(raw, "top_p", 1e-9, 1.0),
+            "min_p": _number(raw, "min_p", 0.0, 1.0),
+            "presence_penalty": _number(raw, "presence_penalty", -2.0, 2.0),
+            "frequency_penalty": _number(raw, "frequency_penalty", -2.0, 2.0),
+            "repetition_penalty": _number(raw, "repetition_penalty", 1e-9, 100.0),
+            "top_k": _integer(raw, "top_k", -1, 1 << 20),
+            "seed": _integer(raw, "seed", -(1 << 63), (1 << 63) - 1),
+            "min_tokens": _integer(raw, "min_tokens", 0, request.max_tokens),
+        }
+        sampling = SamplingParams(
+            **{k: v for k, v in options.items() if v is not None},
+            max_tokens=request.max_tokens,
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=ignore_eos,
+        )
+        stops = _stops(raw.get("stop"))
+        eos = model.eos_token_id
+
+        def make(request_id: str, rank: int | None) -> VllmRequest:
+            return VllmRequest(request_id, ids, sampling, eos_token_id=eos, rank=rank)
+
+        return Prepared(None, len(ids), _Decoder(model.tokenizer, stops).decode, make)
+
+
+_FINISHES = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class _Decoder:
+    """One request's incremental detokenizer and stop-string check (module docstring,
+    steps 2 and 3)."""
+
+    __slots__ = ("_held", "_hold", "_step", "_stops", "_stream", "_tokenizer")
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._step: Callable[[Any, int], str | None] = self._stream.step
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._held = ""
+
+    def decode(self, output: Output) -> Piece:
+        body = output.body
+        ids = getattr(body, "token_ids", None) or []
+        step, tokenizer = self._step, self._tokenizer
+        text = "".join(piece for t in ids if (piece := step(tokenizer, t)) is not None)
+        finish = output.finish
+        if not self._stops:
+            return Piece(text, len(ids), None if finish is None else _FINISHES.get(finish, finish))
+        held = self._held + text
+        cut = min((i for s in self._stops if (i := held.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            return Piece(held[:cut], len(ids), "stop")
+        if finish is not None:
+            self._held = ""
+            return Piece(held, len(ids), _FINISHES.get(finish, finish))
+        keep = len(held) - self._hold
+        if keep <= 0:
+            self._held = held
+            return Piece("", len(ids), None)
+        self._held = held[keep:]
+        return Piece(held[:keep], len(ids), None)
