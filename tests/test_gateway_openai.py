@@ -192,3 +192,40 @@ async def test_the_openai_client_does_not_resend_a_request_that_timed_out(
                 )
         assert caught.value.status_code == 504
         assert app.group is not None and app.group.statistics().submitted == 1
+
+
+async def test_chat_completions_with_the_official_client_on_the_mock() -> None:
+    async with mock_gateway(model="tiny") as (client, _):
+        base = f"{str(client.base_url).rstrip('/')}/v1"
+        messages: Any = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+        ]
+        async with openai.AsyncOpenAI(base_url=base, api_key="k", max_retries=0) as oa:
+            plain = await oa.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+            chunks = [
+                c
+                async for c in await oa.chat.completions.create(
+                    model="tiny",
+                    messages=messages,
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            ]
+            with pytest.raises(openai.BadRequestError, match="role"):
+                await oa.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "robot", "content": "x"}],  # type: ignore[list-item,misc]
+                )
+    assert plain.object == "chat.completion" and plain.id.startswith("chatcmpl-")
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.choices[0].message.content == " t1001 t1002 t1003"
+    assert plain.choices[0].finish_reason == "length"
+    # the mock's transcript: "system: be brief\nuser: hi\nassistant:" (byte tokens)
+    assert plain.usage is not None
+    assert plain.usage.prompt_tokens == len(b"system: be brief\nuser: hi\nassistant:")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " t1001 t1002 t1003"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3

@@ -184,3 +184,68 @@ def test_stop_strings_end_the_text_at_their_first_occurrence(text: str, stop: st
         assert (out_text, finish) == (text[: text.index(stop)], "stop")
     else:
         assert (out_text, finish) == (text, "length")
+
+
+async def test_chat_renders_the_models_template_and_streams_deltas() -> None:
+    async with (
+        vllm_group(1) as (group, fake),
+        serving(create_app(group=group, dialect=dialect())) as client,
+    ):
+        messages = [{"role": "user", "content": "x"}]
+        response = await client.post(
+            "/v1/chat/completions", json={"messages": messages, "max_tokens": 3}
+        )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    rendered = "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+    [add] = fake.engines[0].got("add")
+    assert add[1] == dialect().encode(rendered, special=False)
+    assert body["usage"]["prompt_tokens"] == len(add[1])
+    assert body["choices"][0]["message"]["content"] == text_of(
+        list(range(add[1][-1] + 1, add[1][-1] + 4))
+    )
+
+
+async def test_a_chat_without_max_tokens_gets_the_rest_of_the_models_length() -> None:
+    async with (
+        vllm_group(1) as (group, fake),
+        serving(create_app(group=group, dialect=dialect())) as client,
+    ):
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "stream": True},
+        )
+        await response.aread()
+    [add] = fake.engines[0].got("add")
+    assert add[3]["max_tokens"] == 512 - len(add[1])
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{{ raise_exception('no system role here') }}", "no system role here"),
+        ("{{ messages.__class__.__mro__ }}", "SecurityError"),
+        ("{% for m in messages %}{{ m['nope'].x }}{% endfor %}", "UndefinedError"),
+    ],
+)
+async def test_a_template_that_fails_is_a_400_naming_messages(
+    tmp_path: Path, template: str, expected: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in MODEL.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    (model / "chat_template.jinja").write_text(template)
+    bad = VllmDialect(model)
+    async with (
+        vllm_group(1) as (group, fake),
+        serving(create_app(group=group, dialect=bad)) as client,
+    ):
+        response = await client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and expected in error["message"]
+    assert fake.engines[0].got("add") == []

@@ -361,6 +361,8 @@ async def test_an_invalid_batch_kills_only_its_rank_which_comes_back(
     tmp_path: Path, body: bytes
 ) -> None:
     async with group_of(tmp_path, 2) as (group, engines):
+        # the client can be connected before the engine's task resumes after its READY
+        await engines[0].ready.wait()
         out = engines[0].engine
         assert out is not None
         await out.send_raw_for_testing([body])

@@ -244,11 +244,16 @@ def test_eos_of_the_model_is_honoured(dense: GroupHost) -> None:
 
 
 def test_a_deadline_aborts_the_request_on_its_engine(dense: GroupHost) -> None:
+    """The tiny model makes 400 tokens in about 0.3 s here when the machine is busy
+    elsewhere (a concurrent CI run); a client held up that long reads the terminal
+    output before it judges the deadline, and rightly finishes the request. So the
+    deadline is a tenth of a second, well inside the generation."""
+
     async def run(group: VllmGroup) -> tuple[Result, list[int], Result, int]:
         spy = AbortSpy(group)
         try:
             r = request("deadline", 400, rank=0, eos=None)
-            late = await collect(group, dataclasses.replace(r, timeout=0.3))
+            late = await collect(group, dataclasses.replace(r, timeout=0.1))
             wire = [rank for rank, _ids in spy.aborts]
             short = await collect(group, request("after-deadline", 3, rank=0, eos=None))
             return late, wire, short, group.statistics().ranks[0].load.running

@@ -233,6 +233,7 @@ class GatewayApp:
         self.registry.register(self.collector)
         self._routes: dict[str, tuple[str, str, Callable[..., Any]]] = {
             "/v1/completions": ("completions", "POST", self._completions),
+            "/v1/chat/completions": ("chat", "POST", self._chat),
             "/v1/models": ("models", "GET", self._models),
             "/health": ("health", "GET", self._liveness),
             "/ready": ("ready", "GET", self._readiness),
@@ -374,6 +375,20 @@ class GatewayApp:
             settings=self._settings,
             counters=self.counters,
             stopping=self._stopping,
+        )
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        assert self._backend is not None and self._stopping is not None
+        await handle_completion(
+            scope,
+            receive,
+            send,
+            group=self._group,
+            backend=self._backend,
+            settings=self._settings,
+            counters=self.counters,
+            stopping=self._stopping,
+            chat=True,
         )
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:

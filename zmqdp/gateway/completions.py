@@ -66,12 +66,12 @@ escaping the app would be logged by uvicorn as a traceback and answered with a b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from .._core.errors import ZmqdpError
@@ -81,7 +81,17 @@ from .dialect import CompletionRequest, Dialect, Prepared
 from .errors import HTTPError, http_error
 from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_disconnect
 from .metrics import HTTPCounters
-from .openai import DONE, MAX_MODEL_LENGTH, ChunkEncoder, chunk, completion, parse_completion
+from .openai import (
+    DONE,
+    MAX_MODEL_LENGTH,
+    ChatChunkEncoder,
+    ChunkEncoder,
+    chat_completion,
+    chunk,
+    completion,
+    parse_chat,
+    parse_completion,
+)
 
 __all__ = ["MAX_RANK_DIGITS", "RANK_HEADER", "CompletionSettings", "handle_completion"]
 
@@ -100,7 +110,7 @@ MESSAGE_QUOTE = 500
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class CompletionSettings:
     dialect: Dialect
     model: str
@@ -172,6 +182,30 @@ async def _until_stopped(
         await forever()
 
 
+def _chat_request(body: bytes, fields: frozenset[str], dialect: Any) -> CompletionRequest:
+    """A chat body as a completion request whose prompt the dialect rendered."""
+    render = getattr(dialect, "chat_prompt", None)
+    if render is None:
+        raise HTTPError(
+            404,
+            "invalid_request_error",
+            "not_found",
+            "this server's engine dialect renders no chat: use /v1/completions",
+        )
+    request, messages = parse_chat(body, fields)
+    try:
+        prompt = render(messages)
+    except ValueError as exc:
+        raise HTTPError(
+            400,
+            "invalid_request_error",
+            "invalid_request",
+            str(exc)[:MESSAGE_QUOTE],
+            param="messages",
+        ) from None
+    return dataclasses.replace(request, prompt=prompt)
+
+
 async def handle_completion(
     scope: Scope,
     receive: Receive,
@@ -182,11 +216,13 @@ async def handle_completion(
     settings: CompletionSettings,
     counters: HTTPCounters,
     stopping: EventLike,
+    chat: bool = False,
 ) -> None:
-    """Serve one `POST /v1/completions` (module docstring). `stopping`: set by
-    `GatewayApp.stop_now()`."""
-    exchange = Exchange(send, "completions", counters)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    """Serve one `POST /v1/completions` (module docstring), or with `chat` one `POST
+    /v1/chat/completions` (the dialect renders the messages into the prompt:
+    `Dialect.chat_prompt`). `stopping`: set by `GatewayApp.stop_now()`."""
+    exchange = Exchange(send, "chat" if chat else "completions", counters)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     exchange.headers.append((b"x-request-id", request_id.encode()))
     counters.active += 1
     response: _Response | None = None
@@ -196,7 +232,11 @@ async def handle_completion(
             if body is None:
                 counters.disconnects[exchange.route] += 1
                 return
-            request = parse_completion(body, getattr(settings.dialect, "fields", frozenset()))
+            fields: frozenset[str] = getattr(settings.dialect, "fields", frozenset())
+            if chat:
+                request = _chat_request(body, fields, settings.dialect)
+            else:
+                request = parse_completion(body, fields)
             if request.model is not None and request.model not in settings.served:
                 raise HTTPError(
                     404,
@@ -372,7 +412,7 @@ class _Response:
         self.counters.prompt_tokens += self.prepared.prompt_tokens
         await self.exchange.respond(
             200,
-            completion(
+            (chat_completion if self.request.chat else completion)(
                 self.request_id,
                 self.created,
                 self.model,
@@ -401,7 +441,9 @@ class _Response:
         exchange = self.exchange
         counters = self.counters
         prompt_tokens = self.prepared.prompt_tokens
-        encoder = ChunkEncoder(self.request_id, self.created, self.model)
+        encoder = (ChatChunkEncoder if self.request.chat else ChunkEncoder)(
+            self.request_id, self.created, self.model
+        )
         tokens = 0
         finish: str | None = None
         counters.prompt_tokens += prompt_tokens
@@ -427,6 +469,7 @@ class _Response:
                         None,
                         None,
                         (prompt_tokens, tokens),
+                        kind="chat.completion.chunk" if self.request.chat else "text_completion",
                     )
                 data += DONE
             if not exchange.started:

@@ -52,6 +52,12 @@ class CompletionRequest:
     """The request's fields that the dialect reads itself (its `Dialect.fields`:
     `temperature`, `stop`, `seed`, ...), those sent and not null. Every other field
     was refused with a 400 unless it had its neutral value (openai.py)."""
+    chat: bool = False
+    """A `/v1/chat/completions` request: `prompt` is what the dialect's
+    `chat_prompt` rendered from its messages."""
+    max_tokens_given: bool = True
+    """False: the client gave no `max_tokens` (a chat request: `max_tokens` is then
+    `openai.DEFAULT_CHAT_MAX_TOKENS`, which a dialect knowing the model's length caps)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +94,12 @@ class Dialect(Protocol):
 
     A dialect may have a `fields` attribute (a frozenset of request field names): the
     fields it reads from `CompletionRequest.raw` and honours. The gateway refuses any
-    other field it does not read itself (openai.py); no attribute means none."""
+    other field it does not read itself (openai.py); no attribute means none.
+
+    A dialect serves `/v1/chat/completions` if it has a method
+    ``chat_prompt(messages) -> str``: the prompt (text, with the chat template's special
+    tokens) rendered from ``({"role": ..., "content": ...}, ...)``; `ValueError` for a
+    conversation it cannot render (400). Without it, chat requests get 404."""
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         """The engine body for `request`; `ValueError` (its message goes to the client,
@@ -111,6 +122,11 @@ class MockDialect:
     max_prompt_tokens: int = 1 << 20
     fields: frozenset[str] = frozenset()
     """The mock honours no sampling field: `temperature`, `stop`... are refused."""
+
+    def chat_prompt(self, messages: tuple[Mapping[str, str], ...]) -> str:
+        """A plain transcript, ``"role: content"`` per line, then ``"assistant:"``."""
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join([*lines, "assistant:"])
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         prompt = request.prompt

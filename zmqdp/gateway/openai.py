@@ -21,15 +21,19 @@ from .dialect import CompletionRequest
 from .errors import HTTPError
 
 __all__ = [
+    "DEFAULT_CHAT_MAX_TOKENS",
     "DEFAULT_MAX_TOKENS",
     "GATEWAY_FIELDS",
     "NEUTRAL",
     "OPENAI_FIELDS",
     "MAX_MODEL_LENGTH",
+    "ChatChunkEncoder",
     "ChunkEncoder",
     "DONE",
     "chunk",
+    "chat_completion",
     "completion",
+    "parse_chat",
     "error_body",
     "parse_completion",
     "sse",
@@ -37,6 +41,9 @@ __all__ = [
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default `max_tokens` for completions."""
+DEFAULT_CHAT_MAX_TOKENS = 4096
+"""`max_tokens` of a chat request that gives none (OpenAI: until the model's context is
+full; a dialect that knows the model's length caps it there)."""
 
 MAX_INT = (1 << 31) - 1
 """The largest `max_tokens` and token id taken: past it a number is a client bug, and
@@ -165,6 +172,10 @@ def parse_completion(
 ) -> CompletionRequest:
     """A validated request, or `HTTPError` 400 (invalid JSON, a wrong known field, a
     field neither the gateway nor the dialect (`dialect_fields`) reads)."""
+    return _request(_json_object(body), dialect_fields)
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -175,6 +186,12 @@ def parse_completion(
         raise _bad("the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise _bad(f"the body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _request(
+    data: dict[str, Any], dialect_fields: frozenset[str], *, chat: bool = False
+) -> CompletionRequest:
     prompt: str | tuple[int, ...]
     raw_prompt = data.get("prompt")
     if isinstance(raw_prompt, list) and len(raw_prompt) == 1 and not _is_int(raw_prompt[0]):
@@ -197,9 +214,10 @@ def parse_completion(
             "or a list of one of those",
             "prompt",
         )
-    max_tokens = data.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
+    asked = data.get("max_tokens")
+    given = asked is not None
+    # chat without it: as long as the model allows, up to a bound (the dialect caps it)
+    max_tokens: Any = asked if given else DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS
     if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT:
         raise _bad(
             f"'max_tokens' must be an int from 1 to {MAX_INT}, got {_show(max_tokens)}",
@@ -231,7 +249,9 @@ def parse_completion(
             raise _bad("'stream_options' must be an object", "stream_options")
         include_usage = options.get("include_usage") is True
     raw = _extra_fields(data, dialect_fields)
-    return CompletionRequest(prompt, max_tokens, stream, model, user, include_usage, raw)
+    return CompletionRequest(
+        prompt, max_tokens, stream, model, user, include_usage, raw, chat, given
+    )
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -278,12 +298,15 @@ def chunk(
     text: str | None,
     finish_reason: str | None,
     usage: tuple[int, int] | None = None,
+    *,
+    kind: str = "text_completion",
 ) -> bytes:
     """One streaming chunk: a choice with `text` (None: no choice, the usage chunk of
-    `stream_options.include_usage`), and `usage` (prompt, completion tokens) if given."""
+    `stream_options.include_usage`), and `usage` (prompt, completion tokens) if given.
+    `kind`: the object (``chat.completion.chunk`` for chat's usage chunk)."""
     body: dict[str, Any] = {
         "id": request_id,
-        "object": "text_completion",
+        "object": kind,
         "created": created,
         "model": model,
         "choices": []
@@ -320,6 +343,130 @@ class ChunkEncoder:
                 b"}]}\n\n",
             )
         )
+
+
+class ChatChunkEncoder:
+    """`ChunkEncoder` for `/v1/chat/completions`: ``chat.completion.chunk`` objects whose
+    choice carries a `delta` (the first with ``"role": "assistant"``), as OpenAI sends."""
+
+    __slots__ = ("_first", "_prefix")
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        head = _ENCODER.encode(
+            {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+            }
+        )
+        self._prefix = b"data: " + head[:-1].encode() + b',"choices":[{"index":0,"delta":'
+        self._first = True
+
+    def text(self, text: str, finish_reason: str | None) -> bytes:
+        delta: dict[str, str] = {"content": text} if text or finish_reason is None else {}
+        if self._first:
+            self._first = False
+            delta = {"role": "assistant", "content": text}
+        finish = b"null" if finish_reason is None else _ENCODER.encode(finish_reason).encode()
+        return b"".join(
+            (
+                self._prefix,
+                _ENCODER.encode(delta).encode(),
+                b',"logprobs":null,"finish_reason":',
+                finish,
+                b"}]}\n\n",
+            )
+        )
+
+
+def chat_completion(
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
+    """The `chat.completion` object of a non-streaming chat request."""
+    return _dumps(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+    )
+
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+"""The message roles taken."""
+
+
+def _messages(data: dict[str, Any]) -> tuple[dict[str, str], ...]:
+    """`messages` as (role, content) maps with text content; `HTTPError` 400 otherwise."""
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array of messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"'{where}' must be an object", "messages")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise _bad(
+                f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}, got {_show(role)}",
+                "messages",
+            )
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text ones are taken
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise _bad(f"'{where}.content': only text parts are supported", "messages")
+                if not isinstance(part.get("text"), str):
+                    raise _bad(f"'{where}.content': a text part needs 'text'", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise _bad(f"'{where}.content' must be a string or text parts", "messages")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise _bad(
+                f"'{where}' has fields this server does not support: "
+                f"{', '.join(sorted(map(str, extra)))[:80]}",
+                "messages",
+            )
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+def parse_chat(
+    body: bytes, dialect_fields: frozenset[str] = frozenset()
+) -> tuple[CompletionRequest, tuple[dict[str, str], ...]]:
+    """A `/v1/chat/completions` body: its messages, and the rest as a completion request
+    whose prompt the dialect renders from them (`Dialect.chat_prompt`). `HTTPError` 400
+    as `parse_completion`."""
+    data = _json_object(body)
+    messages = _messages(data)
+    rest = {k: v for k, v in data.items() if k not in ("messages", "max_completion_tokens")}
+    if data.get("max_completion_tokens") is not None:
+        rest["max_tokens"] = data["max_completion_tokens"]
+    rest["prompt"] = "(chat)"
+    return _request(rest, dialect_fields, chat=True), messages
 
 
 def error_body(error: HTTPError) -> bytes:

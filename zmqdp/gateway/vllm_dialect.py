@@ -154,13 +154,49 @@ class VllmDialect:
         self.model = _Model(
             tokenizer, tokenizer.get_vocab_size(with_added_tokens=True), eos, max_model_len
         )
+        self._special = {
+            k: v
+            for k in ("bos_token", "eos_token")
+            if isinstance(v := tokenizer_config.get(k), str)
+        }
+        source = tokenizer_config.get("chat_template")
+        if not isinstance(source, str) and (directory / "chat_template.jinja").is_file():
+            source = (directory / "chat_template.jinja").read_text()
+        self._template = _compile_template(source) if isinstance(source, str) else None
+
+    def chat_prompt(self, messages: tuple[Mapping[str, str], ...]) -> str:
+        """The conversation rendered by the model's chat template (``chat_template`` of
+        ``tokenizer_config.json``, else ``chat_template.jinja``), in a Jinja sandbox
+        (a template cannot reach Python objects), with the generation prompt added, as
+        vLLM and Hugging Face render it. `ValueError` if the model has no template or
+        the template fails (its `raise_exception`, or an error of its own)."""
+        template = self._template
+        if template is None:
+            raise ValueError(
+                "this model has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja): use /v1/completions"
+            )
+        try:
+            rendered: str = template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=True,
+                bos_token=self._special.get("bos_token", ""),
+                eos_token=self._special.get("eos_token", ""),
+            )
+        except Exception as exc:  # the template's own errors, sandbox refusals, anything
+            raise ValueError(
+                f"the model's chat template failed on these messages: {type(exc).__name__}: "
+                f"{str(exc)[:200]}"
+            ) from None
+        return rendered
 
     @property
     def eos_token_id(self) -> int | None:
         return self.model.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self.model.tokenizer.encode(text).ids
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of `text` (`special`: with the tokenizer's BOS/EOS post-processing)."""
+        ids: list[int] = self.model.tokenizer.encode(text, add_special_tokens=special).ids
         return ids
 
     def prepare(self, request: CompletionRequest) -> Prepared:
@@ -169,7 +205,8 @@ class VllmDialect:
         model = self.model
         prompt = request.prompt
         if isinstance(prompt, str):
-            ids = self.encode(prompt)
+            # a chat prompt has its special tokens from the template already
+            ids = self.encode(prompt, special=not request.chat)
         else:
             ids = list(prompt)
             bad = next((t for t in ids if t >= model.vocab), None)
@@ -181,11 +218,14 @@ class VllmDialect:
         if not ids:
             raise ValueError("'prompt' is empty (no tokens)")
         length = model.max_model_len
-        if length is not None and len(ids) + request.max_tokens > length:
+        max_tokens = request.max_tokens
+        if length is not None and not request.max_tokens_given:
+            max_tokens = max(1, min(max_tokens, length - len(ids)))  # as vLLM: the rest
+        if length is not None and len(ids) + max_tokens > length:
             raise ValueError(
                 f"this model's maximum context length is {length} tokens; you requested "
-                f"{len(ids) + request.max_tokens} ({len(ids)} in the prompt, "
-                f"{request.max_tokens} in the completion ('max_tokens'))"
+                f"{len(ids) + max_tokens} ({len(ids)} in the prompt, "
+                f"{max_tokens} in the completion ('max_tokens'))"
             )
         raw = request.raw
         stop_ids = raw.get("stop_token_ids") or []
@@ -205,11 +245,11 @@ class VllmDialect:
             "repetition_penalty": _number(raw, "repetition_penalty", 1e-9, 100.0),
             "top_k": _integer(raw, "top_k", -1, 1 << 20),
             "seed": _integer(raw, "seed", -(1 << 63), (1 << 63) - 1),
-            "min_tokens": _integer(raw, "min_tokens", 0, request.max_tokens),
+            "min_tokens": _integer(raw, "min_tokens", 0, max_tokens),
         }
         sampling = SamplingParams(
             **{k: v for k, v in options.items() if v is not None},
-            max_tokens=request.max_tokens,
+            max_tokens=max_tokens,
             stop_token_ids=tuple(stop_ids),
             ignore_eos=ignore_eos,
         )
@@ -220,6 +260,23 @@ class VllmDialect:
             return VllmRequest(request_id, ids, sampling, eos_token_id=eos, rank=rank)
 
         return Prepared(None, len(ids), _Decoder(model.tokenizer, stops).decode, make)
+
+
+def _compile_template(source: str) -> Any:
+    """A chat template compiled in Jinja's immutable sandbox, with Hugging Face's
+    conventions (`trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ValueError(f"the model's chat template does not compile: {exc}") from None
 
 
 _FINISHES = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
