@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from zmqdp._core.messages import Output
 from zmqdp.gateway import GatewayApp, VllmDialect, create_app
 from zmqdp.gateway.vllm_dialect import _Decoder
+from zmqdp.mock import MockConfig
 from zmqdp.vllm import VllmOutput
 
 from .gateway_helpers import all_events
@@ -249,3 +250,118 @@ async def test_a_template_that_fails_is_a_400_naming_messages(
     error = response.json()["error"]
     assert error["param"] == "messages" and expected in error["message"]
     assert fake.engines[0].got("add") == []
+
+
+# -- a hostile review's findings (each failed before its fix) ---------------------------
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_before_tokenizing() -> None:
+    d = dialect()
+    limit = 512 * d.model.widest
+    with pytest.raises(ValueError, match="maximum context length"):
+        d.encode("x" * (limit + 1))
+    with pytest.raises(ValueError, match="lone surrogate"):
+        d.encode("a\ud800")
+
+
+async def test_the_dialects_work_runs_in_a_worker_thread() -> None:
+    """Tokenizing (and rendering a chat) is the dialect's slow work: on the event loop
+    a 4 MiB prompt held up every other stream for seconds."""
+    import threading
+
+    seen: list[int] = []
+
+    class Spy(VllmDialect):
+        def prepare(self, request: Any) -> Any:
+            seen.append(threading.get_ident())
+            return super().prepare(request)
+
+    async with (
+        vllm_group(1) as (group, _),
+        serving(create_app(group=group, dialect=Spy(MODEL))) as client,
+    ):
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert response.status_code == 200
+    assert seen and seen[0] != threading.get_ident()
+
+
+def test_the_detokenizer_starts_from_the_prompts_tail() -> None:
+    """A SentencePiece (Metaspace) tokenizer drops a text's first leading space: the
+    first completion token must be decoded after the prompt, as vLLM does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"▁The": 0, "▁capital": 1, "▁Paris": 2, "▁and": 3, "▁Rome": 4, "[UNK]": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    primed = _Decoder(tok, (), [0, 1])
+    out = Output("r", VllmOutput([2, 3, 4]), "length")
+    assert primed.decode(out).text == " Paris and Rome"
+
+
+def test_stop_strings_wait_for_min_tokens() -> None:
+    d = dialect()
+    decoder = _Decoder(d.model.tokenizer, ("z",), [91], min_tokens=6)
+    pieces = [decoder.decode(Output("r", VllmOutput([t]), None)) for t in range(92, 99)]
+    text = "".join(p.text for p in pieces)
+    assert all(p.finish_reason is None for p in pieces[:6]) and text.startswith("yz{")
+
+
+def test_hugging_face_template_conventions(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in MODEL.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["bos_token"] = {"content": "<|bos|>", "lstrip": False}  # an AddedToken map
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{{ m | tojson }}{% endfor %}"
+    )
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    rendered = VllmDialect(model).chat_prompt(({"role": "user", "content": "é<b>"},))
+    assert rendered == '<|bos|>{"role": "user", "content": "é<b>"}'
+    config["chat_template"] = "{% for %}"  # does not compile: chat is off, not the model
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    broken = VllmDialect(model)
+    assert broken.template_problem is not None and "does not compile" in broken.template_problem
+    with pytest.raises(ValueError, match="does not compile"):
+        broken.chat_prompt(({"role": "user", "content": "x"},))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "code", "expected"),
+    [
+        ("/v1/completions", {"prompt": "a\ud800"}, 400, "lone surrogate"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "only allowed"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "prompt": [5]},
+            400,
+            "'prompt' is a",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": False, "max_tokens": 1},
+            200,
+            "",
+        ),
+    ],
+)
+async def test_request_shapes_found_by_the_review(
+    path: str, body: dict[str, Any], code: int, expected: str
+) -> None:
+    async with (
+        vllm_group(1) as (group, _),
+        serving(create_app(group=group, dialect=dialect())) as client,
+    ):
+        response = await client.post(path, content=json.dumps(body).encode())
+    assert response.status_code == code, response.text
+    if expected:
+        assert expected in response.json()["error"]["message"]
+
+
+def test_an_api_key_must_be_sendable() -> None:
+    for bad in ("", "k ", "k\n", "ключ"):
+        with pytest.raises(ValueError, match="visible ASCII"):
+            create_app(mock=MockConfig(engines=1), api_key=bad)

@@ -166,8 +166,11 @@ def create_app(
         raise ValueError(
             f"model must be one name or several, each of 1 to 256 characters: {model!r}"
         )
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("api_key must be a non-empty string or None")
+    if api_key is not None and (
+        not isinstance(api_key, str) or not api_key or not all("!" <= c <= "~" for c in api_key)
+    ):
+        # (a header carries visible ASCII; a key with a stray newline would lock out all)
+        raise ValueError("api_key must be a non-empty string of visible ASCII, or None")
     if queue_timeout < 0 or retry_after < 0 or drain_grace < 0:
         raise ValueError("queue_timeout, retry_after and drain_grace must be >= 0")
     if drain_timeout is not None and drain_timeout < 0:

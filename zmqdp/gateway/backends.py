@@ -151,6 +151,11 @@ class Backend(Protocol):
 
     async def sleep(self, seconds: float) -> None: ...
 
+    async def in_thread(self, fn: Callable[[], T]) -> T:
+        """`fn()` in a worker thread (CPU work that releases the GIL, such as a
+        tokenizer). Cancellation: waits for `fn` to finish (it cannot be interrupted)."""
+        ...
+
     async def sleep_forever(self) -> None:
         """Wait until cancelled."""
         ...
@@ -273,6 +278,9 @@ class TrioBackend:
     async def sleep(self, seconds: float) -> None:
         await trio.sleep(seconds)
 
+    async def in_thread(self, fn: Callable[[], T]) -> T:
+        return await trio.to_thread.run_sync(fn)
+
     async def sleep_forever(self) -> None:
         await trio.sleep_forever()
 
@@ -341,6 +349,10 @@ class AsyncioBackend:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+    async def in_thread(self, fn: Callable[[], T]) -> T:
+        # shielded: a cancelled wait would leave the thread running unawaited
+        return await asyncio.shield(asyncio.to_thread(fn))
 
     async def sleep_forever(self) -> None:
         await asyncio.get_running_loop().create_future()

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import io
 import logging
 import time
@@ -182,28 +183,55 @@ async def _until_stopped(
         await forever()
 
 
-def _chat_request(body: bytes, fields: frozenset[str], dialect: Any) -> CompletionRequest:
-    """A chat body as a completion request whose prompt the dialect rendered."""
-    render = getattr(dialect, "chat_prompt", None)
-    if render is None:
+def _parse_chat(
+    body: bytes, fields: frozenset[str], dialect: Any
+) -> tuple[CompletionRequest, tuple[dict[str, str], ...]]:
+    """A chat body: the request (its prompt rendered later, `_prepare`) and messages."""
+    if getattr(dialect, "chat_prompt", None) is None:
         raise HTTPError(
             404,
             "invalid_request_error",
             "not_found",
             "this server's engine dialect renders no chat: use /v1/completions",
         )
-    request, messages = parse_chat(body, fields)
+    return parse_chat(body, fields)
+
+
+def _prepare(
+    dialect: Dialect,
+    request: CompletionRequest,
+    messages: tuple[dict[str, str], ...] | None,
+    request_id: str,
+) -> tuple[CompletionRequest, Prepared]:
+    """Render a chat's prompt and prepare the engine request: the dialect's work, in a
+    worker thread for a dialect that says it is slow (`threaded`: a tokenizer)."""
+    if messages is not None:
+        try:
+            prompt = dialect.chat_prompt(messages)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            raise HTTPError(
+                400,
+                "invalid_request_error",
+                "invalid_request",
+                str(exc)[:MESSAGE_QUOTE],
+                param="messages",
+            ) from None
+        request = dataclasses.replace(request, prompt=prompt)
     try:
-        prompt = render(messages)
+        return request, dialect.prepare(request)
     except ValueError as exc:
         raise HTTPError(
-            400,
-            "invalid_request_error",
-            "invalid_request",
-            str(exc)[:MESSAGE_QUOTE],
-            param="messages",
+            400, "invalid_request_error", "invalid_request", str(exc)[:MESSAGE_QUOTE]
         ) from None
-    return dataclasses.replace(request, prompt=prompt)
+    except Exception as exc:  # a dialect bug: a JSON 500, logged, never a bare one
+        log.error("request %r: the dialect failed: %r", request_id, exc, exc_info=exc)
+        raise HTTPError(
+            500,
+            "internal_error",
+            "dialect_failed",
+            f"request {request_id!r}: the dialect failed ({type(exc).__name__}); "
+            "the gateway's log has the details",
+        ) from None
 
 
 async def handle_completion(
@@ -233,8 +261,9 @@ async def handle_completion(
                 counters.disconnects[exchange.route] += 1
                 return
             fields: frozenset[str] = getattr(settings.dialect, "fields", frozenset())
+            messages: tuple[dict[str, str], ...] | None = None
             if chat:
-                request = _chat_request(body, fields, settings.dialect)
+                request, messages = _parse_chat(body, fields, settings.dialect)
             else:
                 request = parse_completion(body, fields)
             if request.model is not None and request.model not in settings.served:
@@ -248,21 +277,11 @@ async def handle_completion(
                 )
             rank = _rank(scope)
             _check_collected(request, settings)
-            try:
-                prepared = settings.dialect.prepare(request)
-            except ValueError as exc:
-                raise HTTPError(
-                    400, "invalid_request_error", "invalid_request", str(exc)[:MESSAGE_QUOTE]
-                ) from None
-            except Exception as exc:  # a dialect bug: a JSON 500, logged, never a bare one
-                log.error("request %r: the dialect failed: %r", request_id, exc, exc_info=exc)
-                raise HTTPError(
-                    500,
-                    "internal_error",
-                    "dialect_failed",
-                    f"request {request_id!r}: the dialect failed ({type(exc).__name__}); "
-                    "the gateway's log has the details",
-                ) from None
+            work = functools.partial(_prepare, settings.dialect, request, messages, request_id)
+            if getattr(settings.dialect, "threaded", False):
+                request, prepared = await backend.in_thread(work)
+            else:
+                request, prepared = work()
             if group is None:
                 raise HTTPError(
                     503,

@@ -99,7 +99,10 @@ class Dialect(Protocol):
     A dialect serves `/v1/chat/completions` if it has a method
     ``chat_prompt(messages) -> str``: the prompt (text, with the chat template's special
     tokens) rendered from ``({"role": ..., "content": ...}, ...)``; `ValueError` for a
-    conversation it cannot render (400). Without it, chat requests get 404."""
+    conversation it cannot render (400). Without it, chat requests get 404.
+
+    A dialect with ``threaded = True`` has `chat_prompt` and `prepare` run in a worker
+    thread (they must then be thread-safe): for slow work such as a tokenizer."""
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         """The engine body for `request`; `ValueError` (its message goes to the client,

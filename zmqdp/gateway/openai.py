@@ -247,6 +247,8 @@ def _request(
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
         include_usage = options.get("include_usage") is True
     raw = _extra_fields(data, dialect_fields)
     return CompletionRequest(
@@ -409,6 +411,13 @@ def chat_completion(
     )
 
 
+CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "parallel_tool_calls": (True, False),
+}
+"""Chat fields whose value asks for nothing (taken whoever serves)."""
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 """The message roles taken."""
 
@@ -438,7 +447,7 @@ def _messages(data: dict[str, Any]) -> tuple[dict[str, str], ...]:
                 if not isinstance(part.get("text"), str):
                     raise _bad(f"'{where}.content': a text part needs 'text'", "messages")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)  # as vLLM joins text parts
         if content is None:
             content = ""
         if not isinstance(content, str):
@@ -462,9 +471,14 @@ def parse_chat(
     as `parse_completion`."""
     data = _json_object(body)
     messages = _messages(data)
+    if "prompt" in data:
+        raise _bad("'prompt' is a /v1/completions field: a chat has 'messages'", "prompt")
     rest = {k: v for k, v in data.items() if k not in ("messages", "max_completion_tokens")}
     if data.get("max_completion_tokens") is not None:
         rest["max_tokens"] = data["max_completion_tokens"]
+    for name, neutral in CHAT_NEUTRAL.items():  # chat's own fields, asking for nothing
+        if name in rest and any(_same(rest[name], n) for n in neutral):
+            del rest[name]
     rest["prompt"] = "(chat)"
     return _request(rest, dialect_fields, chat=True), messages
 

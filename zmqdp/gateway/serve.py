@@ -181,7 +181,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         options["curve"] = load_client_keys(args.keys)
     common: dict[str, Any] = {
         "model": args.served_model_name or args.model,
-        "api_key": args.api_key or None,
+        "api_key": (args.api_key or "").strip() or None,
         "queue_timeout": args.queue_timeout,
         "retry_after": args.retry_after,
         "drain_timeout": args.drain_timeout,

@@ -29,6 +29,7 @@ included, up to the output that completed it).
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -62,6 +63,8 @@ MAX_STOP_STRINGS = 16
 """At most this many stop strings per request (OpenAI takes 4)."""
 MAX_STOP_LENGTH = 256
 """The longest stop string taken (characters)."""
+PRIME_TOKENS = 5
+"""Prompt tokens the detokenizer starts from (vLLM's initial offset)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,9 @@ class _Model:
     vocab: int
     eos_token_id: int | None
     max_model_len: int | None
+    widest: int
+    """The most characters one token stands for (its vocabulary string's length bounds
+    them: byte-level and SentencePiece pieces are never shorter than their text)."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -131,6 +137,9 @@ class VllmDialect:
     ``max_position_embeddings``, else the tokenizer's ``model_max_length``)."""
 
     fields = FIELDS
+    threaded = True
+    """The gateway runs `chat_prompt` and `prepare` in a worker thread: tokenizing a
+    long prompt takes long enough to hold up every other request on the event loop."""
 
     def __init__(self, model_dir: str | Path, *, max_model_len: int | None = None) -> None:
         from tokenizers import Tokenizer
@@ -151,18 +160,43 @@ class VllmDialect:
         if max_model_len is None:
             length = config.get("max_position_embeddings", tokenizer_config.get("model_max_length"))
             max_model_len = length if type(length) is int and 0 < length < 1 << 40 else None
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.model = _Model(
-            tokenizer, tokenizer.get_vocab_size(with_added_tokens=True), eos, max_model_len
+            tokenizer,
+            tokenizer.get_vocab_size(with_added_tokens=True),
+            eos,
+            max_model_len,
+            max(1, max((len(piece) for piece in vocab), default=1)),
         )
         self._special = {
-            k: v
-            for k in ("bos_token", "eos_token")
-            if isinstance(v := tokenizer_config.get(k), str)
+            k: _token_text(tokenizer_config.get(k)) for k in ("bos_token", "eos_token")
         }
         source = tokenizer_config.get("chat_template")
+        if isinstance(source, list):  # named templates: the "default" one
+            source = next(
+                (
+                    t.get("template")
+                    for t in source
+                    if isinstance(t, dict) and t.get("name") == "default"
+                ),
+                None,
+            )
         if not isinstance(source, str) and (directory / "chat_template.jinja").is_file():
             source = (directory / "chat_template.jinja").read_text()
-        self._template = _compile_template(source) if isinstance(source, str) else None
+        self._template: Any = None
+        self.template_problem: str | None = None
+        """Why chat is off for this model (no template, or one that does not compile);
+        completions work either way."""
+        if isinstance(source, str):
+            try:
+                self._template = _compile_template(source)
+            except ValueError as exc:
+                self.template_problem = str(exc)
+        else:
+            self.template_problem = (
+                "this model has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja): use /v1/completions"
+            )
 
     def chat_prompt(self, messages: tuple[Mapping[str, str], ...]) -> str:
         """The conversation rendered by the model's chat template (``chat_template`` of
@@ -172,10 +206,7 @@ class VllmDialect:
         the template fails (its `raise_exception`, or an error of its own)."""
         template = self._template
         if template is None:
-            raise ValueError(
-                "this model has no chat template (tokenizer_config.json 'chat_template' or "
-                "chat_template.jinja): use /v1/completions"
-            )
+            raise ValueError(self.template_problem or "this model has no chat template")
         try:
             rendered: str = template.render(
                 messages=[dict(m) for m in messages],
@@ -195,8 +226,19 @@ class VllmDialect:
         return self.model.eos_token_id
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
-        """Token ids of `text` (`special`: with the tokenizer's BOS/EOS post-processing)."""
-        ids: list[int] = self.model.tokenizer.encode(text, add_special_tokens=special).ids
+        """Token ids of `text` (`special`: with the tokenizer's BOS/EOS post-processing).
+        `ValueError` for text that cannot fit the model (checked before tokenizing: a
+        4 MiB prompt takes seconds to tokenize) or has no UTF-8 form."""
+        model = self.model
+        if model.max_model_len is not None and len(text) > model.max_model_len * model.widest:
+            raise ValueError(
+                f"'prompt' has {len(text)} characters: more than this model's maximum context "
+                f"length ({model.max_model_len} tokens) can hold"
+            )
+        try:
+            ids: list[int] = model.tokenizer.encode(text, add_special_tokens=special).ids
+        except TypeError:  # tokenizers' answer to a lone surrogate ("\ud800" in the JSON)
+            raise ValueError("the prompt is not valid Unicode (a lone surrogate)") from None
         return ids
 
     def prepare(self, request: CompletionRequest) -> Prepared:
@@ -228,7 +270,7 @@ class VllmDialect:
                 f"{max_tokens} in the completion ('max_tokens'))"
             )
         raw = request.raw
-        stop_ids = raw.get("stop_token_ids") or []
+        stop_ids = raw.get("stop_token_ids", [])
         if not isinstance(stop_ids, list) or not all(
             type(t) is int and 0 <= t < model.vocab for t in stop_ids
         ):
@@ -259,20 +301,40 @@ class VllmDialect:
         def make(request_id: str, rank: int | None) -> VllmRequest:
             return VllmRequest(request_id, ids, sampling, eos_token_id=eos, rank=rank)
 
-        return Prepared(None, len(ids), _Decoder(model.tokenizer, stops).decode, make)
+        min_tokens = options["min_tokens"] or 0
+        decoder = _Decoder(model.tokenizer, stops, ids[-PRIME_TOKENS:], min_tokens)
+        return Prepared(None, len(ids), decoder.decode, make)
+
+
+def _token_text(value: Any) -> str:
+    """A special token of tokenizer_config.json: a string, or an AddedToken map."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
 
 
 def _compile_template(source: str) -> Any:
     """A chat template compiled in Jinja's immutable sandbox, with Hugging Face's
-    conventions (`trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`)."""
+    conventions: `trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`,
+    `strftime_now`, and `tojson` as `json.dumps` (non-ASCII kept, keys in order)."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(value: Any, indent: int | None = None) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    def strftime_now(format: str) -> str:
+        return datetime.datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     try:
         return env.from_string(source)
     except TemplateError as exc:
@@ -286,17 +348,26 @@ class _Decoder:
     """One request's incremental detokenizer and stop-string check (module docstring,
     steps 2 and 3)."""
 
-    __slots__ = ("_held", "_hold", "_step", "_stops", "_stream", "_tokenizer")
+    __slots__ = ("_before", "_held", "_hold", "_step", "_stops", "_stream", "_tokenizer")
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stops: tuple[str, ...],
+        prime: list[int] | None = None,
+        min_tokens: int = 0,
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        # Primed with the prompt's last tokens, as vLLM's detokenizer starts: a
+        # SentencePiece tokenizer drops the leading space of a text's first token.
+        self._stream = DecodeStream(ids=prime or [], skip_special_tokens=True)
         self._step: Callable[[Any, int], str | None] = self._stream.step
         self._stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._held = ""
+        self._before = min_tokens  # tokens before stop strings count (vLLM's min_tokens)
 
     def decode(self, output: Output) -> Piece:
         body = output.body
@@ -307,7 +378,12 @@ class _Decoder:
         if not self._stops:
             return Piece(text, len(ids), None if finish is None else _FINISHES.get(finish, finish))
         held = self._held + text
-        cut = min((i for s in self._stops if (i := held.find(s)) >= 0), default=-1)
+        self._before -= len(ids)
+        cut = (
+            min((i for s in self._stops if (i := held.find(s)) >= 0), default=-1)
+            if self._before <= 0
+            else -1
+        )
         if cut >= 0:
             self._held = ""
             return Piece(held[:cut], len(ids), "stop")
