@@ -53,6 +53,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import sniffio
@@ -236,7 +237,7 @@ class GatewayApp:
         self.registry.register(self.collector)
         self._routes: dict[str, tuple[str, str, Callable[..., Any]]] = {
             "/v1/completions": ("completions", "POST", self._completions),
-            "/v1/chat/completions": ("chat", "POST", self._chat),
+            "/v1/chat/completions": ("chat", "POST", partial(self._completions, chat=True)),
             "/v1/models": ("models", "GET", self._models),
             "/health": ("health", "GET", self._liveness),
             "/ready": ("ready", "GET", self._readiness),
@@ -367,7 +368,9 @@ class GatewayApp:
             self._stopping.set()
         return backend
 
-    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _completions(
+        self, scope: Scope, receive: Receive, send: Send, *, chat: bool = False
+    ) -> None:
         assert self._backend is not None and self._stopping is not None
         await handle_completion(
             scope,
@@ -378,20 +381,7 @@ class GatewayApp:
             settings=self._settings,
             counters=self.counters,
             stopping=self._stopping,
-        )
-
-    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        assert self._backend is not None and self._stopping is not None
-        await handle_completion(
-            scope,
-            receive,
-            send,
-            group=self._group,
-            backend=self._backend,
-            settings=self._settings,
-            counters=self.counters,
-            stopping=self._stopping,
-            chat=True,
+            chat=chat,
         )
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:

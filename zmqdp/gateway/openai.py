@@ -274,15 +274,28 @@ def completion(
     completion_tokens: int,
 ) -> bytes:
     """The `text_completion` object of a non-streaming request."""
+    choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    return _answer(
+        "text_completion", request_id, created, model, choice, prompt_tokens, completion_tokens
+    )
+
+
+def _answer(
+    kind: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choice: dict[str, Any],
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
     return _dumps(
         {
             "id": request_id,
-            "object": "text_completion",
+            "object": kind,
             "created": created,
             "model": model,
-            "choices": [
-                {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
-            ],
+            "choices": [choice],
             "usage": _usage(prompt_tokens, completion_tokens),
         }
     )
@@ -392,22 +405,10 @@ def chat_completion(
     completion_tokens: int,
 ) -> bytes:
     """The `chat.completion` object of a non-streaming chat request."""
-    return _dumps(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            ],
-            "usage": _usage(prompt_tokens, completion_tokens),
-        }
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return _answer(
+        "chat.completion", request_id, created, model, choice, prompt_tokens, completion_tokens
     )
 
 
