@@ -333,6 +333,13 @@ def chunk(
     return sse(_dumps(body))
 
 
+def _chunk_prefix(kind: str, request_id: str, created: int, model: str, choice: bytes) -> bytes:
+    """``data: {"id":...,"object":kind,"created":...,"model":...,"choices":[`` + `choice`:
+    what a request's chunks share, encoded once."""
+    head = _ENCODER.encode({"id": request_id, "object": kind, "created": created, "model": model})
+    return b"data: " + head[:-1].encode() + b',"choices":[' + choice
+
+
 class ChunkEncoder:
     """`chunk(...)` of one request's text chunks, faster: the JSON around the text is
     encoded once per request, and each write encodes only its text and finish reason
@@ -342,10 +349,7 @@ class ChunkEncoder:
     __slots__ = ("_prefix",)
 
     def __init__(self, request_id: str, created: int, model: str) -> None:
-        head = _ENCODER.encode(
-            {"id": request_id, "object": "text_completion", "created": created, "model": model}
-        )
-        self._prefix = b"data: " + head[:-1].encode() + b',"choices":[{"text":'
+        self._prefix = _chunk_prefix("text_completion", request_id, created, model, b'{"text":')
 
     def text(self, text: str, finish_reason: str | None) -> bytes:
         finish = b"null" if finish_reason is None else _ENCODER.encode(finish_reason).encode()
@@ -367,15 +371,9 @@ class ChatChunkEncoder:
     __slots__ = ("_first", "_prefix")
 
     def __init__(self, request_id: str, created: int, model: str) -> None:
-        head = _ENCODER.encode(
-            {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-            }
+        self._prefix = _chunk_prefix(
+            "chat.completion.chunk", request_id, created, model, b'{"index":0,"delta":'
         )
-        self._prefix = b"data: " + head[:-1].encode() + b',"choices":[{"index":0,"delta":'
         self._first = True
 
     def text(self, text: str, finish_reason: str | None) -> bytes:
