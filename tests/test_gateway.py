@@ -517,7 +517,7 @@ async def test_metrics_parse_with_per_rank_series() -> None:
     assert samples("zmqdp_rank_up") == {"0": 1.0, "1": 1.0}
     assert samples("zmqdp_rank_cap") == {"0": 4.0, "1": 4.0}
     assert samples("zmqdp_rank_inflight") == {"0": 0.0, "1": 0.0}
-    for name in ("zmqdp_rank_waiting", "zmqdp_rank_running", "zmqdp_rank_kv_usage"):
+    for name in ("zmqdp_rank_waiting", "zmqdp_rank_running", "zmqdp_rank_kv_cache_usage_ratio"):
         assert set(samples(name)) == {"0", "1"}
     assert samples("zmqdp_rank_ttft_seconds", "_count") == {"0": 1.0, "1": 2.0}
     assert samples("zmqdp_rank_latency_seconds", "_count") == {"0": 1.0, "1": 2.0}

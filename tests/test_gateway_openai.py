@@ -25,6 +25,7 @@ from zmqdp.gateway.errors import http_error
 from zmqdp.mock import MockConfig
 
 from .gateway_helpers import hold
+from .helpers import wait_until
 from .test_gateway import FAST_MOCK, scripted, serving
 
 
@@ -229,3 +230,36 @@ async def test_chat_completions_with_the_official_client_on_the_mock() -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == " t1001 t1002 t1003"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+async def test_metrics_follow_prometheus_conventions_and_can_speak_vllms_names() -> None:
+    from .gateway_helpers import Metrics
+
+    chat_body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    async with mock_gateway(model="tiny", vllm_metric_names=True) as (client, app):
+        for path, body in (
+            ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+            ("/v1/chat/completions", chat_body),
+        ):
+            assert (await client.post(path, json=body)).status_code == 200
+        # (a duration is observed once the handler returns, just after the last byte)
+        await wait_until(lambda: len(app.counters.durations) == 2)
+        metrics = Metrics((await client.get("/metrics")).text)
+    families = metrics.families
+    # a fraction is a _ratio; the process is described; end-to-end latency by route
+    assert "zmqdp_rank_kv_cache_usage_ratio" in families
+    assert "process_cpu_seconds" in families and "process_resident_memory_bytes" in families
+    durations = {
+        s.labels["route"]: s.value
+        for s in metrics.samples("zmqdp_gateway_request_duration_seconds", "_count")
+    }
+    assert durations == {"completions": 1.0, "chat": 1.0}
+    # vLLM's dashboard names, by engine (the DP rank) and model
+    running = metrics.samples("vllm:num_requests_running")
+    assert {s.labels["engine"] for s in running} == {"0"}
+    assert {s.labels["model_name"] for s in running} == {"tiny"}
+    assert metrics.samples("vllm:generation_tokens", "_total")[0].value == 4.0
+    assert families["vllm:e2e_request_latency_seconds"].type == "histogram"

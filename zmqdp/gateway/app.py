@@ -57,7 +57,12 @@ from functools import partial
 from typing import Any
 
 import sniffio
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+)
 
 from ..mock import MockConfig
 from .backends import Backend, EventLike, GroupLike, backend_for
@@ -102,6 +107,7 @@ def create_app(
     wire: Any = None,
     model: str | Sequence[str] = "zmqdp",
     api_key: str | None = None,
+    vllm_metric_names: bool = False,
     queue_timeout: float = 0.0,
     retry_after: int = 1,
     drain_timeout: float | None = 30.0,
@@ -131,12 +137,13 @@ def create_app(
     request naming another gets 404 ``model_not_found``, as OpenAI answers it (a
     request's own name is echoed). `api_key`: the `/v1/` routes need
     ``Authorization: Bearer <api_key>`` (401 ``invalid_api_key`` otherwise; the probes
-    and `/metrics` stay open, as vLLM's). `queue_timeout`: seconds a request waits for
-    admission room before a 429 (0: 429 at once); `retry_after`: the `Retry-After` of
-    429 and 503 answers. `drain_timeout`: seconds a drain waits for live requests
-    (None: no limit); `drain_grace`: seconds between `/ready` turning 503 and the group
-    refusing new requests (app.py). `max_body_size`: bytes of a request body (413
-    past it).
+    and `/metrics` stay open, as vLLM's). `vllm_metric_names`: `/metrics` also has the
+    ``vllm:`` series vLLM's Grafana dashboards read (labels ``model_name``, ``engine``).
+    `queue_timeout`: seconds a request waits for admission room before a 429 (0: 429 at
+    once); `retry_after`: the `Retry-After` of 429 and 503 answers. `drain_timeout`:
+    seconds a drain waits for live requests (None: no limit); `drain_grace`: seconds
+    between `/ready` turning 503 and the group refusing new requests (app.py).
+    `max_body_size`: bytes of a request body (413 past it).
 
     A non-streaming answer is held whole until its last output (a stream is bounded by
     `max_buffered` instead). `max_collected_tokens` (default
@@ -195,6 +202,7 @@ def create_app(
     return GatewayApp._create(
         url=url,
         api_key=api_key,
+        vllm_metric_names=vllm_metric_names,
         engines=mock.engines if mock is not None else engines,
         group=group,
         mock=mock,
@@ -233,8 +241,11 @@ class GatewayApp:
         self.collector = GatewayCollector(self._statistics, self._health, self.counters)
         """The Prometheus collector behind `/metrics` (metrics.py), to add to another
         registry if the embedder serves its own metrics."""
+        if kw["vllm_metric_names"]:
+            self.collector.vllm_names = self._settings.model
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, fds
         self._routes: dict[str, tuple[str, str, Callable[..., Any]]] = {
             "/v1/completions": ("completions", "POST", self._completions),
             "/v1/chat/completions": ("chat", "POST", partial(self._completions, chat=True)),

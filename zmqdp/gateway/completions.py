@@ -253,6 +253,7 @@ async def handle_completion(
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     exchange.headers.append((b"x-request-id", request_id.encode()))
     counters.active += 1
+    arrived = time.perf_counter()
     response: _Response | None = None
     try:
         try:
@@ -326,6 +327,7 @@ async def handle_completion(
             pass
     finally:
         counters.active -= 1
+        counters.observe_duration(exchange.route, time.perf_counter() - arrived)
 
 
 class _Response:

@@ -35,7 +35,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from .._core.metrics import HistogramSnapshot
+from .._core.metrics import Histogram, HistogramSnapshot
 from ..values import GroupHealth, GroupStatistics, RankState
 
 __all__ = ["GatewayCollector", "HTTPCounters"]
@@ -89,6 +89,14 @@ class HTTPCounters:
         self.completion_tokens = 0
         self.active = 0
         """Completion requests being handled now."""
+        self.durations: dict[str, Histogram] = {}
+        """route -> seconds from a request's arrival to the end of its response."""
+
+    def observe_duration(self, route: str, seconds: float) -> None:
+        histogram = self.durations.get(route)
+        if histogram is None:
+            histogram = self.durations[route] = Histogram()
+        histogram.observe(seconds)
 
 
 def _le(bound: float) -> str:
@@ -122,6 +130,8 @@ class GatewayCollector(Collector):
         self._stats = stats
         self._health = health
         self._http = http
+        self.vllm_names: str | None = None
+        """A model name: also export the `vllm:` series vLLM's dashboards read."""
 
     def collect(self) -> Iterator[Metric]:
         yield from self._gateway()
@@ -163,6 +173,18 @@ class GatewayCollector(Collector):
         yield _gauge(
             "zmqdp_gateway_requests_active", "Completion requests being handled.", http.active
         )
+        durations = HistogramMetricFamily(
+            "zmqdp_gateway_request_duration",
+            "Seconds from a completion request's arrival to the end of its response "
+            "(end to end, as the client sees it), by route.",
+            labels=["route"],
+            unit="seconds",
+        )
+        for route, histogram in sorted(http.durations.items()):
+            snap = histogram.snapshot()
+            buckets = [(_le(bound), float(n)) for bound, n in snap.cumulative()]
+            durations.add_metric([route], buckets, snap.sum)
+        yield durations
 
     def _group_health(self, health: GroupHealth) -> Iterator[Metric]:
         yield _gauge(
@@ -191,7 +213,8 @@ class GatewayCollector(Collector):
         waiting = family("zmqdp_rank_waiting", "Requests waiting on the rank (its last report).")
         running = family("zmqdp_rank_running", "Requests running on the rank (its last report).")
         kv = family(
-            "zmqdp_rank_kv_usage", "KV-cache usage fraction (its last report; NaN: unknown)."
+            "zmqdp_rank_kv_cache_usage_ratio",
+            "KV-cache usage, 0 to 1 (its last report; NaN: unknown).",
         )
         queued = family("zmqdp_rank_queued_messages", "Messages waiting to be sent to the rank.")
         batches = CounterMetricFamily(
@@ -224,6 +247,43 @@ class GatewayCollector(Collector):
             _add_histogram(latency, label[0], r.latency)
         yield from (up, inflight, cap, waiting, running, kv, queued, batches, errors)
         yield from (ttft, latency)
+        if self.vllm_names is not None:
+            yield from self._vllm(stats)
+
+    def _vllm(self, stats: GroupStatistics) -> Iterator[Metric]:
+        """The names vLLM's own Grafana dashboards read (`vllm:...`, labels
+        ``model_name`` and ``engine``: the DP rank), from the same snapshot."""
+        model = self.vllm_names or ""
+        labels = ["model_name", "engine"]
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        def histogram(name: str, doc: str) -> HistogramMetricFamily:
+            return HistogramMetricFamily(name, doc, labels=labels)
+
+        running = gauge("vllm:num_requests_running", "Requests running (the engine's report).")
+        waiting = gauge("vllm:num_requests_waiting", "Requests waiting (the engine's report).")
+        kv = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (the engine's report).")
+        ttft = histogram("vllm:time_to_first_token_seconds", "Seconds to the first token.")
+        e2e = histogram("vllm:e2e_request_latency_seconds", "Seconds from submit to the end.")
+        for r in stats.ranks:
+            label = [model, str(r.rank)]
+            running.add_metric(label, r.load.running)
+            waiting.add_metric(label, r.load.waiting)
+            kv.add_metric(label, r.load.kv)
+            for family, snap in ((ttft, r.ttft), (e2e, r.latency)):
+                buckets = [(_le(bound), float(n)) for bound, n in snap.cumulative()]
+                family.add_metric(label, buckets, snap.sum)
+        yield from (running, waiting, kv, ttft, e2e)
+        http = self._http
+        for name, doc, value in (
+            ("vllm:prompt_tokens", "Prompt tokens processed.", http.prompt_tokens),
+            ("vllm:generation_tokens", "Generation tokens processed.", http.completion_tokens),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([model], value)
+            yield counter
 
     def _counters(self, stats: GroupStatistics) -> Iterator[Metric]:
         yield _gauge("zmqdp_group_lockstep", "1 for a lockstep group.", stats.lockstep)

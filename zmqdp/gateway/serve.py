@@ -122,6 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "naming another gets 404); default: --model",
     )
     http.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="/metrics also has the vllm: series vLLM's dashboards read (on with --vllm)",
+    )
+    http.add_argument(
         "--api-key",
         default=os.environ.get("ZMQDP_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $ZMQDP_API_KEY)",
@@ -182,6 +187,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
     common: dict[str, Any] = {
         "model": args.served_model_name or args.model,
         "api_key": (args.api_key or "").strip() or None,
+        "vllm_metric_names": args.vllm_metric_names or args.vllm is not None,
         "queue_timeout": args.queue_timeout,
         "retry_after": args.retry_after,
         "drain_timeout": args.drain_timeout,
