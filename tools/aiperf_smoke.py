@@ -1,0 +1,187 @@
+"""A default aiperf run against zmqdp's gateway in front of fake vLLM engines: 0 errors.
+
+    python3 tools/aiperf_smoke.py        (.ci/run runs it after `python3 dev.py check`)
+
+aiperf (NVIDIA's OpenAI-API benchmark, a client nobody here wrote) goes in a venv of its
+own, ``.venv-aiperf`` (made on first use; it has many dependencies of its own). The
+engines are tests/fakes/vllm.py's (2 ranks, vLLM 0.33's wire) and the gateway is
+``python -m zmqdp serve --vllm`` over the tiny test model (tests/data/tiny-model) with its
+context raised to 4096 tokens: aiperf's default prompts are about 550 tokens, past the
+model's 512 (the gateway answers those with vLLM's 400, as it should). Each runs in a
+process of its own from the project's ``.venv``.
+
+Three runs: aiperf's default (chat, not streaming), chat streaming, and completions
+streaming. Each must complete every request with no error record. Exit status 0 if so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv-aiperf"
+AIPERF = "aiperf==0.13.0"
+"""The version this was tested with."""
+RUNS = [
+    ("default (chat)", []),
+    ("chat, streaming", ["--streaming"]),
+    ("completions, streaming", ["--endpoint-type", "completions", "--streaming"]),
+]
+FAKES = """
+import sys, trio
+sys.path.insert(0, sys.argv[2])
+from tests.fakes.vllm import FakeVllmGroup
+async def main(url):
+    fake = FakeVllmGroup(url, 2)
+    async with trio.open_nursery() as n:
+        fake.nursery = n
+        for e in fake.engines:
+            n.start_soon(e.run)
+trio.run(main, sys.argv[1])
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def aiperf() -> Path:
+    exe = VENV / "bin" / "aiperf"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", AIPERF]
+        subprocess.run(pip, check=True)
+    return exe
+
+
+def model_dir(tmp: Path) -> Path:
+    model = tmp / "tiny-4k"
+    shutil.copytree(ROOT / "tests" / "data" / "tiny-model", model)
+    for name, key in (
+        ("config.json", "max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        path = model / name
+        config = json.loads(path.read_text())
+        config[key] = 4096
+        path.write_text(json.dumps(config))
+    return model
+
+
+def wait_ready(port: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("aiperf_smoke: the gateway did not become ready")
+
+
+def errors_of(artifacts: Path) -> tuple[int, int]:
+    """(records, error records) of the run's profile_export.jsonl."""
+    [export] = artifacts.rglob("profile_export.jsonl")
+    records = [json.loads(line) for line in export.read_text().splitlines() if line.strip()]
+    return len(records), sum(1 for r in records if r.get("error"))
+
+
+def main() -> int:
+    python = ROOT / ".venv" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit("aiperf_smoke: run `python3 dev.py check` first (it makes .venv)")
+    exe = aiperf()
+    tmp = Path(tempfile.mkdtemp(prefix="zmqdp-aiperf-"))
+    model = model_dir(tmp)
+    engines, http = free_port(), free_port()
+    url = f"tcp://127.0.0.1:{engines}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = (tmp / "processes.log").open("wb")
+    procs = [
+        subprocess.Popen(
+            [str(python), "-c", FAKES, url, str(ROOT)], stdout=log, stderr=log, env=env
+        ),
+        subprocess.Popen(
+            [
+                str(python),
+                "-m",
+                "zmqdp",
+                "serve",
+                "--vllm",
+                str(model),
+                "--served-model-name",
+                "tiny",
+                "--url",
+                url,
+                "--engines",
+                "2",
+                "--insecure",
+                "--port",
+                str(http),
+            ],
+            stdout=log,
+            stderr=log,
+            env=env,
+            cwd=ROOT,
+        ),
+    ]
+    failed = []
+    try:
+        wait_ready(http, time.monotonic() + 60)
+        for name, options in RUNS:
+            artifacts = tmp / name.replace(" ", "-").replace(",", "").replace("(", "").replace(
+                ")", ""
+            )
+            cmd = [
+                str(exe),
+                "profile",
+                "--model",
+                "tiny",
+                "--tokenizer",
+                str(model),
+                "--url",
+                f"http://127.0.0.1:{http}",
+                "--artifact-dir",
+                str(artifacts),
+                *options,
+            ]
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, timeout=300)
+            records, errors = errors_of(artifacts) if done.returncode == 0 else (0, -1)
+            ok = done.returncode == 0 and records > 0 and errors == 0
+            print(
+                f"aiperf {name}: {records} requests, {errors} errors -> {'ok' if ok else 'FAILED'}"
+            )
+            if not ok:
+                failed.append(name)
+                print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+    if failed:
+        print(f"aiperf_smoke: FAILED ({', '.join(failed)}); logs in {tmp}")
+        return 1
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
