@@ -78,29 +78,17 @@ from _engines import engine_process
 from _harness import HERE, Row, median, pct, save
 from _vllm_engines import SendClock, vllm_group
 
+sys.path.insert(0, str(HERE.parent / "tools" / "realvllm"))
+from make_models import CONFIGS  # the one copy of the tiny models' config
+
+DENSE = CONFIGS["dense"]
+
 ROOT = HERE.parent
 RANKS = 2
 FIRST_TOKEN = 4
 """The fakes' first token id for the prompt [1, 2, 3] both clients send."""
-MODEL_CONFIG = {  # what VllmConfig reads (REAL_ENGINES.md's dense model); no weights
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 1024,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 0,
-}
+MODEL_CONFIG = {**DENSE, "max_position_embeddings": 4096}
+"""What VllmConfig reads: the real-engine suite's dense model (no weights), longer."""
 SIDES = ("zmqdp", "vllm")
 
 

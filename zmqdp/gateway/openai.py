@@ -333,6 +333,12 @@ def chunk(
     return sse(_dumps(body))
 
 
+def _finish(finish_reason: str | None) -> bytes:
+    """A chunk's finish reason and the end of its event."""
+    reason = b"null" if finish_reason is None else _ENCODER.encode(finish_reason).encode()
+    return reason + b"}]}\n\n"
+
+
 def _chunk_prefix(kind: str, request_id: str, created: int, model: str, choice: bytes) -> bytes:
     """``data: {"id":...,"object":kind,"created":...,"model":...,"choices":[`` + `choice`:
     what a request's chunks share, encoded once."""
@@ -352,14 +358,12 @@ class ChunkEncoder:
         self._prefix = _chunk_prefix("text_completion", request_id, created, model, b'{"text":')
 
     def text(self, text: str, finish_reason: str | None) -> bytes:
-        finish = b"null" if finish_reason is None else _ENCODER.encode(finish_reason).encode()
         return b"".join(
             (
                 self._prefix,
                 _ENCODER.encode(text).encode(),
                 b',"index":0,"logprobs":null,"finish_reason":',
-                finish,
-                b"}]}\n\n",
+                _finish(finish_reason),
             )
         )
 
@@ -381,14 +385,12 @@ class ChatChunkEncoder:
         if self._first:
             self._first = False
             delta = {"role": "assistant", "content": text}
-        finish = b"null" if finish_reason is None else _ENCODER.encode(finish_reason).encode()
         return b"".join(
             (
                 self._prefix,
                 _ENCODER.encode(delta).encode(),
                 b',"logprobs":null,"finish_reason":',
-                finish,
-                b"}]}\n\n",
+                _finish(finish_reason),
             )
         )
 
