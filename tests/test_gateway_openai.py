@@ -263,3 +263,25 @@ async def test_metrics_follow_prometheus_conventions_and_can_speak_vllms_names()
     assert {s.labels["model_name"] for s in running} == {"tiny"}
     assert metrics.samples("vllm:generation_tokens", "_total")[0].value == 4.0
     assert families["vllm:e2e_request_latency_seconds"].type == "histogram"
+    # per request, as vLLM counts them: how each answer ended, and its sizes
+    success = metrics.samples("vllm:request_success", "_total")
+    assert {(s.labels["finished_reason"], s.value) for s in success} == {("length", 2.0)}
+    [generated] = metrics.samples("vllm:request_generation_tokens", "_sum")
+    assert generated.value == 4.0
+    [tpot] = metrics.samples("vllm:request_time_per_output_token_seconds", "_count")
+    assert tpot.value == 2.0
+
+
+async def test_a_client_that_leaves_is_counted_as_an_abort() -> None:
+    from .gateway_helpers import Metrics
+
+    app = create_app(mock=MockConfig(engines=1, step_time=0.01), vllm_metric_names=True)
+    async with serving(app) as client:
+        body = {"prompt": "x", "max_tokens": 1000, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for _ in response.aiter_lines():
+                break
+        await wait_until(lambda: app.counters.finished["abort"] == 1)
+        metrics = Metrics((await client.get("/metrics")).text)
+    success = metrics.samples("vllm:request_success", "_total")
+    assert {(s.labels["finished_reason"], s.value) for s in success} == {("abort", 1.0)}

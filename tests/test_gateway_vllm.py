@@ -27,7 +27,8 @@ from zmqdp.gateway.vllm_dialect import _Decoder
 from zmqdp.mock import MockConfig
 from zmqdp.vllm import VllmOutput
 
-from .gateway_helpers import all_events
+from .gateway_helpers import all_events, events
+from .helpers import wait_until
 from .test_gateway import serving
 from .test_vllm_group import vllm_group
 
@@ -365,3 +366,32 @@ def test_an_api_key_must_be_sendable() -> None:
     for bad in ("", "k ", "k\n", "ключ"):
         with pytest.raises(ValueError, match="visible ASCII"):
             create_app(mock=MockConfig(engines=1), api_key=bad)
+
+
+async def test_a_client_leaving_mid_detokenization_aborts_its_request_once() -> None:
+    """The client goes away while the gateway is between the bytes of a multi-byte
+    character (after "yz{|}~" the fakes' ids are byte tokens): the request is aborted on
+    its rank exactly once, the dialect's decoder state goes with it, and the group is
+    left with nothing in flight."""
+    async with vllm_group(1, fake_kw={"step_delay": 0.01}) as (group, fake):
+        app: GatewayApp = create_app(group=group, dialect=dialect())
+        async with serving(app) as client:
+            request = {"prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            async with client.stream("POST", "/v1/completions", json=request) as response:
+                assert response.status_code == 200
+                seen = ""
+                async for data in events(response):
+                    seen += _chunk_text(data)
+                    if len(seen) >= 7:  # past "yz{|}~": in the byte tokens
+                        break
+            engine = fake.engines[0]
+            await engine.wait_for(lambda: len(engine.got("abort")) == 1)
+            await wait_until(lambda: app.counters.disconnects["completions"] == 1)
+            statistics = group.statistics()
+            assert statistics.aborted == 1 and statistics.finished == 0
+            assert group.health().inflight == 0
+            # the gateway serves on, from a fresh decoder
+            response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            assert response.json()["choices"][0]["text"] == "yz{"
+    assert len(engine.got("abort")) == 1
+    assert seen.startswith("yz{|}~")

@@ -140,7 +140,11 @@ async def test_requests_are_fitted_to_the_model_length_as_vllm_does() -> None:
         assert tokens == [21, 22]
         [add] = fake.engines[0].got("add")
         assert add[3]["max_tokens"] == 4096 - 2
-        with pytest.raises(InvalidRequest, match="4096 tokens; the engines' max_model_len is 4096"):
+        with pytest.raises(
+            InvalidRequest,
+            match=r"^request 'long' cannot be sent: the prompt has 4096 tokens; "
+            r"the engines' max_model_len is 4096$",
+        ):
             group.submit(req("long", prompt=[1] * 4096))
         assert len(fake.engines[0].got("add")) == 1
 

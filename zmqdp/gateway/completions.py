@@ -356,6 +356,11 @@ class _Response:
         self.pinned = rank
         self.rank: int | None = None
         self.model = request.model or settings.model
+        self.tokens = 0
+        """Tokens of the answer so far."""
+        self.first = 0.0
+        """When its first token came (`time.perf_counter`), 0.0 before."""
+        self.finish: str | None = None
         self.created = int(time.time())
 
     def _error(self, exc: BaseException) -> HTTPError:
@@ -407,6 +412,17 @@ class _Response:
                     await self._complete(stream)
         except Exception as exc:
             await exchange.fail(self._error(exc))
+        finally:
+            # every submitted request is counted once, by how its answer ended ("abort":
+            # the client went away, the gateway stopped, or the request failed)
+            now = time.perf_counter()
+            self.counters.observe_answer(
+                self.finish if exchange.ended and self.finish is not None else "abort",
+                self.prepared.prompt_tokens,
+                self.tokens,
+                self.first or now,
+                now,
+            )
 
     async def _complete(self, stream: StreamLike) -> None:
         decode = self.prepared.decode
@@ -420,6 +436,8 @@ class _Response:
                 piece = decode(out)
                 chars += text.write(piece.text)
                 tokens += piece.tokens
+                if not self.first and tokens:
+                    self.first = time.perf_counter()
                 if out.finish is not None or piece.finish_reason is not None:
                     # (a dialect's finish before the engine's: a stop string; leaving the
                     # stream's block aborts the request on its rank)
@@ -431,6 +449,7 @@ class _Response:
                 raise self._too_large(f"{chars} characters", f"{max_chars} characters")
         self.counters.completion_tokens += tokens
         self.counters.prompt_tokens += self.prepared.prompt_tokens
+        self.tokens, self.finish = tokens, finish
         await self.exchange.respond(
             200,
             (chat_completion if self.request.chat else completion)(
@@ -480,6 +499,9 @@ class _Response:
                     break
             tokens += batch_tokens
             counters.completion_tokens += batch_tokens
+            if not self.first and tokens:
+                self.first = time.perf_counter()
+            self.tokens, self.finish = tokens, finish
             data = encoder.text("".join(parts), finish)
             if finish is not None:
                 if self.request.include_usage:

@@ -77,6 +77,10 @@ GROUP_COUNTERS: dict[str, str] = {
 _NOT_COUNTERS = {"ranks", "lockstep", "wave", "waiting"}
 
 
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+"""Token-count buckets, 1 to 500,000 in 1-2-5 steps (vLLM's `build_1_2_5_buckets`)."""
+
+
 class HTTPCounters:
     """The gateway's own counts, kept as plain ints on the request path."""
 
@@ -91,6 +95,22 @@ class HTTPCounters:
         """Completion requests being handled now."""
         self.durations: dict[str, Histogram] = {}
         """route -> seconds from a request's arrival to the end of its response."""
+        self.finished: Counter[str] = Counter()
+        """finish reason (``stop``, ``length``, ``abort``) -> requests whose answer ended."""
+        self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
+        self.time_per_output_token = Histogram()
+        """Per request: seconds from its first token to its last, over tokens - 1."""
+
+    def observe_answer(
+        self, finish: str, prompt_tokens: int, tokens: int, first: float, last: float
+    ) -> None:
+        """One answer that ended (`first`, `last`: when its first and last tokens came)."""
+        self.finished[finish] += 1
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(tokens)
+        if tokens > 1:
+            self.time_per_output_token.observe((last - first) / (tokens - 1))
 
     def observe_duration(self, route: str, seconds: float) -> None:
         histogram = self.durations.get(route)
@@ -277,6 +297,36 @@ class GatewayCollector(Collector):
                 family.add_metric(label, buckets, snap.sum)
         yield from (running, waiting, kv, ttft, e2e)
         http = self._http
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Requests whose answer ended, by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, n in sorted(http.finished.items()):
+            success.add_metric([model, reason], n)
+        yield success
+        for name, doc, hist in (
+            (
+                "vllm:request_prompt_tokens",
+                "Prompt tokens per request.",
+                http.request_prompt_tokens,
+            ),
+            (
+                "vllm:request_generation_tokens",
+                "Generated tokens per request.",
+                http.request_generation_tokens,
+            ),
+            (
+                "vllm:request_time_per_output_token_seconds",
+                "Per request: seconds from the first token to the last, over tokens - 1.",
+                http.time_per_output_token,
+            ),
+        ):
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            snap = hist.snapshot()
+            buckets = [(_le(bound), float(n)) for bound, n in snap.cumulative()]
+            family.add_metric([model], buckets, snap.sum)
+            yield family
         for name, doc, value in (
             ("vllm:prompt_tokens", "Prompt tokens processed.", http.prompt_tokens),
             ("vllm:generation_tokens", "Generation tokens processed.", http.completion_tokens),

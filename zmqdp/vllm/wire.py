@@ -124,18 +124,21 @@ class VllmWire:
         self, request: VllmRequest, infos: Sequence[Mapping[str, Any]], wall_time: float
     ) -> Prepared:
         if not isinstance(request, VllmRequest):
-            raise InvalidRequest(quote(request), "submit takes a VllmRequest on vLLM's wire")
+            raise InvalidRequest(
+                str(getattr(request, "id", "?")),
+                f"submit takes a VllmRequest on vLLM's wire, not {quote(request)}",
+            )
         limit = _max_model_len(infos)
         prompt = len(request.prompt_token_ids)
         if limit is not None and prompt >= limit:
             raise InvalidRequest(
-                quote(request.id),
+                request.id,
                 f"the prompt has {prompt} tokens; the engines' max_model_len is {limit}",
             )
         if request.sampling.max_tokens is None:
             if limit is None:
                 raise InvalidRequest(
-                    quote(request.id),
+                    request.id,
                     "max_tokens=None needs the engines' max_model_len (not in their READY)",
                 )
             sampling = dataclasses.replace(request.sampling, max_tokens=limit - prompt)
