@@ -1,7 +1,33 @@
-"""The HTTP gateway ÷ the direct API: tokens/s and CPU per token, at c=32 and c=256.
+"""The HTTP gateway ÷ the direct API (G rows), and ÷ SMG (S rows): tokens/s and CPU per
+token, at c=32 and c=256.
 
     .venv/bin/python benchmarks/bench_gateway.py [--quick] [--rounds 5] [--step-time 0.0005]
+        [--no-smg | --smg-only] [--smg-step-time 0.005] [--smg-flavours trio,asyncio]
     .venv/bin/python benchmarks/bench_gateway.py --profile trio|asyncio [--profile-c 256] [-v]
+
+**S rows** (issue 22): zmqdp's gateway ÷ SMG (the Shepherd Model Gateway, `smg` 1.13.0,
+Rust, in ``.venv-smg``, made on first use; if it cannot be, the S rows are skipped with a
+message). Each gateway runs in front of a fake vLLM 0.33 engine group of its own
+(tests/fakes/vllm.py, 2 dense ranks in one process, one step every ``--smg-step-time`` s
+plus the step's own time, the tiny test model's tokenizer): SMG as ``smg launch --backend
+vllm --worker-urls ipc://... --zmq-engine-count 2``, zmqdp as ``python -m zmqdp serve
+--vllm MODEL_DIR --url ipc://... --engines 2`` (hypercorn/trio, and ``--server uvicorn``),
+each exactly as its user starts it (benchmarks/_smg.py). Every stack is up for the whole
+run (an idle one costs next to nothing; its CPU is measured and not counted as other
+work's); rounds measure each at c=32 and c=256, SSE and non-streaming, the stacks one
+after the other in an order that rotates. The load generator is the one below, with the
+same request for both (``/v1/completions``, ``max_tokens`` 64, ``stream_options.
+include_usage`` when streaming); it counts the tokens in the answers' texts (each of the
+fake's tokens detokenizes to " N") and checks every response had 64, and a usage saying
+64. Rows S32t/S256t (S32a/S256a for uvicorn): zmqdp ÷ SMG HTTP SSE tokens/s, target ≥ 1.0
+at c=256; S256tcpu/S256acpu: zmqdp ÷ SMG gateway-process CPU per token (every thread; for
+SMG, whose router is a Rust extension in the launcher's own process, that process and any
+descendant), target ≤ 2.0. The default step, 5 ms, is the one SMG was first measured
+with: at c=256 the engines then step 256 requests every ~9 ms (the 5 ms and their own
+time), close to 30,000 tokens/s, for well under one core; a gateway keeps up with that
+on one core only below ~33 µs of CPU per token.
+
+**G rows**:
 
 Two flavours, each the way `python -m zmqdp serve` runs it (`serve_hypercorn`,
 `serve_uvicorn` from zmqdp/gateway/serve.py, on an app from `create_app(url, engines)`):
@@ -75,7 +101,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -100,6 +126,17 @@ def cpu_seconds(pid: int | str = "self") -> float:
         data = f.read()
     fields = data[data.rindex(b")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_of(pids: int | list[int]) -> float:
+    """`cpu_seconds` of a process, or the sum over several (0 for one that is gone)."""
+    if isinstance(pids, int):
+        return cpu_seconds(pids)
+    total = 0.0
+    for pid in pids:
+        with suppress(OSError):  # gone
+            total += cpu_seconds(pid)
+    return total
 
 
 def machine_busy() -> float:
@@ -372,14 +409,46 @@ _HEAD, _CHUNKED, _LENGTH = 0, 1, 2
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:\s*(\d+)")
 
 
-class LoadGen:
-    """`c` connections, each sending requests one after the other (closed loop)."""
+def vllm_tokens(buf: bytes, start: int, end: int) -> tuple[int, int]:
+    """The tokens in the ``"text":"..."`` values of `buf[start:end]` (an SSE event or a
+    JSON body of a gateway in front of the fake vLLM engines, whose every token reads
+    " N": one space each, _smg.py) and the usage's ``completion_tokens`` (-1: none);
+    (-1, -1) if a text does not end in `buf[start:end]`."""
+    n = 0
+    i = buf.find(b'"text":"', start, end)
+    while i >= 0:
+        j = buf.find(b'"', i + 8, end)
+        if j < 0:
+            return -1, -1
+        n += buf.count(b" ", i + 8, j)
+        i = buf.find(b'"text":"', j + 1, end)
+    usage = -1
+    k = buf.find(b'"completion_tokens":', start, end)
+    if k >= 0:
+        k += 20
+        e = k
+        while buf[e : e + 1].isdigit():
+            e += 1
+        usage = int(buf[k:e])
+    return n, usage
 
-    def __init__(self, stream: bool) -> None:
-        body = json.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "stream": stream}).encode()
+
+class LoadGen:
+    """`c` connections, each sending requests one after the other (closed loop).
+    `vllm`: a request of `body` (else the mock's), its tokens counted by `vllm_tokens`,
+    each response checked to have TOKENS of them and a usage saying so."""
+
+    def __init__(
+        self, stream: bool, body: dict[str, Any] | None = None, vllm: bool = False
+    ) -> None:
+        self.vllm = vllm
+        fields = {**(body or {"prompt": PROMPT, "max_tokens": TOKENS}), "stream": stream}
+        if stream and vllm:
+            fields["stream_options"] = {"include_usage": True}
+        data = json.dumps(fields).encode()
         self.request = (
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
         )
         self.tokens = 0
         self.writes = 0  # HTTP chunks (SSE writes) or JSON bodies received
@@ -398,8 +467,9 @@ class LoadGen:
 
     def ended(self, conn: Conn) -> None:
         """A response ended on `conn`: send the next request, unless stopping."""
-        if conn.tokens != TOKENS:
-            self.fail(f"a response had {conn.tokens} tokens, not {TOKENS}")
+        if conn.tokens != TOKENS or (self.vllm and conn.usage != TOKENS):
+            usage = f" (usage {conn.usage})" if self.vllm else ""
+            self.fail(f"a response had {conn.tokens} tokens{usage}, not {TOKENS}")
             return
         self.requests += 1
         if not self.stop:
@@ -411,7 +481,7 @@ class LoadGen:
 
 
 class Conn(asyncio.Protocol):
-    __slots__ = ("buf", "gen", "left", "state", "tokens", "transport")
+    __slots__ = ("buf", "gen", "left", "state", "tokens", "transport", "usage")
 
     def __init__(self, gen: LoadGen) -> None:
         self.gen = gen
@@ -420,6 +490,7 @@ class Conn(asyncio.Protocol):
         self.state = _HEAD
         self.left = 0
         self.tokens = 0
+        self.usage = -1
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -429,7 +500,7 @@ class Conn(asyncio.Protocol):
             self.gen.fail(f"a connection was lost mid-response ({exc})")
 
     def send(self) -> None:
-        self.state, self.buf, self.tokens = _HEAD, b"", 0
+        self.state, self.buf, self.tokens, self.usage = _HEAD, b"", 0, -1
         self.transport.write(self.gen.request)
 
     def data_received(self, data: bytes) -> None:
@@ -472,7 +543,15 @@ class Conn(asyncio.Protocol):
                 end = eol + 2 + size
                 if size_all < end + 2:
                     break
-                n = count(b" t", eol + 2, end)
+                if gen.vllm:
+                    n, usage = vllm_tokens(buf, eol + 2, end)
+                    if n < 0:
+                        gen.fail(f"an answer's text was cut across HTTP chunks: {buf!r:.300}")
+                        return
+                    if usage >= 0:
+                        self.usage = usage
+                else:
+                    n = count(b" t", eol + 2, end)
                 self.tokens += n
                 gen.tokens += n
                 gen.writes += 1
@@ -482,7 +561,13 @@ class Conn(asyncio.Protocol):
             if len(buf) - pos < self.left:
                 self.buf = buf[pos:] if pos else buf
                 return
-            n = buf.count(b" t", pos, pos + self.left)
+            if gen.vllm:
+                n, self.usage = vllm_tokens(buf, pos, pos + self.left)
+                if n < 0:
+                    gen.fail(f"an answer's text did not end: {buf!r:.300}")
+                    return
+            else:
+                n = buf.count(b" t", pos, pos + self.left)
             self.tokens = n
             gen.tokens += n
             gen.writes += 1
@@ -495,12 +580,18 @@ async def http_round(
     port: int,
     plan: Plan,
     stream: bool,
-    pids: dict[str, int],
+    pids: dict[str, Any],
     hook: Callable[[bool], object] | None = None,
+    body: dict[str, Any] | None = None,
+    vllm: bool = False,
 ) -> dict[str, Any]:
-    """One HTTP round; `hook(True)` / `hook(False)` at the window's start and end."""
+    """One HTTP round; `hook(True)` / `hook(False)` at the window's start and end.
+    `pids`: "server" and "mock" (each a pid or a list of pids), and optionally "idle"
+    (processes of this benchmark that should be idle: their CPU is not counted as other
+    work's). `body`, `vllm`: as `LoadGen`'s."""
     loop = asyncio.get_running_loop()
-    gen = LoadGen(stream)
+    gen = LoadGen(stream, body, vllm)
+    idle = pids.get("idle", [])
     gen.done = loop.create_future()
     for start in range(0, plan.c, 32):  # a few at a time: hypercorn's backlog is 100
         made = await asyncio.gather(
@@ -520,10 +611,11 @@ async def http_round(
             gen.tokens,
             gen.writes,
             gen.requests,
-            cpu_seconds(pids["server"]),
-            cpu_seconds(pids["mock"]),
+            cpu_of(pids["server"]),
+            cpu_of(pids["mock"]),
             time.process_time(),
             machine_busy(),
+            cpu_of(idle),
         )
 
     try:
@@ -554,7 +646,8 @@ async def http_round(
         "cpu": d[4],
         "mock_cpu": d[5],
         "loadgen_cpu": d[6],
-        "others_cpu": d[7] - d[4] - d[5] - d[6],
+        "idle_cpu": d[8],
+        "others_cpu": d[7] - d[4] - d[5] - d[6] - d[8],
     }
 
 
@@ -644,12 +737,14 @@ def run_http(
     port: int,
     plan: Plan,
     stream: bool,
-    pids: dict[str, int],
+    pids: dict[str, Any],
     hook: Callable[[bool], object] | None = None,
+    body: dict[str, Any] | None = None,
+    vllm: bool = False,
 ) -> dict[str, Any]:
     import uvloop
 
-    return uvloop.run(http_round(port, plan, stream, pids, hook))
+    return uvloop.run(http_round(port, plan, stream, pids, hook, body, vllm))
 
 
 DISTURBED = 20.0
@@ -661,14 +756,15 @@ def _others_pct(r: dict[str, Any]) -> float:
     return 100 * float(r["others_cpu"]) / float(r["seconds"])
 
 
-def figures(all_runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Medians over the undisturbed rounds: tokens/s, CPU µs per token, and the rest as
-    context; `rounds`: how many were kept."""
-    runs = [r for r in all_runs if _others_pct(r) <= DISTURBED] or all_runs
+def figures(all_runs: list[dict[str, Any]], keep_all: bool = False) -> dict[str, float]:
+    """Medians over the undisturbed rounds (`keep_all`: over all): tokens/s, CPU µs per
+    token, and the rest as context; `rounds`: how many were kept."""
+    runs = all_runs if keep_all else [r for r in all_runs if _others_pct(r) <= DISTURBED]
+    runs = runs or all_runs
     rates = [r["tokens"] / r["seconds"] for r in runs]
     out = {
         "tok_s": median(rates),
-        "spread_pct": 50 * (max(rates) - min(rates)) / median(rates),
+        "spread_pct": 50 * (max(rates) - min(rates)) / (median(rates) or 1.0),
         "cpu_us": median([1e6 * r["cpu"] / max(1, r["tokens"]) for r in runs]),
         "cpu_pct": median([100 * r["cpu"] / r["seconds"] for r in runs]),
         "mock_pct": median([100 * r["mock_cpu"] / r["seconds"] for r in runs]),
@@ -792,31 +888,8 @@ def profile(flavour: str, args: argparse.Namespace, c: int) -> None:
     print(f"(profiles: {directory})")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one short round (CI)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--window", type=float, default=2.0, help="seconds counted a round")
-    parser.add_argument("--settle", type=float, default=0.5, help="s after the stagger")
-    parser.add_argument("--step-time", type=float, default=0.0005, help="mock: s per step")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="mock: per rank")
-    parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--flavours", default="trio,asyncio")
-    parser.add_argument("--no-json", action="store_true", help="skip non-streaming rounds")
-    parser.add_argument("--profile", choices=tuple(FLAVOURS), help="cProfile one server")
-    parser.add_argument("--profile-c", type=int, default=256, help="--profile: concurrency")
-    parser.add_argument("-v", "--verbose", action="store_true", help="--profile: top functions")
-    parser.add_argument("--serve", choices=tuple(FLAVOURS), help=argparse.SUPPRESS)
-    parser.add_argument("--url", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve:
-        sys.exit(serve_main(args.serve, args.url, args.engines, args.port))
-    if args.quick:
-        args.rounds, args.window, args.settle = 1, 0.8, 0.3
-    if args.profile:
-        profile(args.profile, args, args.profile_c)
-        return
+def gateway_vs_direct(args: argparse.Namespace) -> None:
+    """The G rows: HTTP ÷ direct API on the native mock, per flavour."""
     conc = [32, 256]
     modes = ["sse", "direct"] + ([] if args.no_json or args.quick else ["json"])
     flavours = args.flavours.split(",")
@@ -897,6 +970,249 @@ def main() -> None:
             "results": {f: {str(c): v for c, v in r.items()} for f, r in results.items()},
         },
     )
+
+
+# -- the S rows: zmqdp's gateway ÷ SMG ----------------------------------------------------
+
+SMG_MODES = {"sse": "HTTP SSE", "json": "non-streaming JSON"}
+
+
+def smg_rounds(
+    args: argparse.Namespace, stacks: dict[str, Any], conc: list[int], modes: list[str]
+) -> dict[str, dict[int, dict[str, list[dict[str, Any]]]]]:
+    """Every measurement, by stack, concurrency and mode. A round measures each stack at
+    each (c, mode), the stacks one after the other (their order rotating from round to
+    round), so that what drifts on the machine falls on all of them alike."""
+    from _smg import PROMPT
+
+    period = TOKENS * args.smg_step_time  # a request's duration, at least
+    kinds = list(stacks)
+    every = {s.kind: [*s.gateway_pids, s.engines_pid] for s in stacks.values()}
+
+    def measure(kind: str, plan: Plan, mode: str) -> dict[str, Any]:
+        stack = stacks[kind]
+        pids = {
+            "server": stack.gateway_pids,
+            "mock": stack.engines_pid,
+            "idle": [p for k, ps in every.items() if k != kind for p in ps],
+        }
+        body = {"model": stack.model, "prompt": PROMPT, "max_tokens": TOKENS}
+        return run_http(stack.port, plan, mode == "sse", pids, body=body, vllm=True)
+
+    if not args.quick:  # warm each up once (first connections, caches, the JIT-less rest)
+        for kind in kinds:
+            measure(kind, Plan(max(conc), period, period + 0.3, 0.5), "sse")
+    runs: dict[str, dict[int, dict[str, list[dict[str, Any]]]]] = {
+        k: {c: {m: [] for m in modes} for c in conc} for k in kinds
+    }
+    for n in range(args.rounds):
+        order = kinds[n % len(kinds) :] + kinds[: n % len(kinds)]
+        line = []
+        for c in conc:
+            plan = Plan(c, period, period + args.settle, args.window)
+            for mode in modes:
+                got = []
+                for kind in order:
+                    r = measure(kind, plan, mode)
+                    runs[kind][c][mode].append(r)
+                    got.append(
+                        f"{kind} {r['tokens'] / r['seconds']:,.0f}"
+                        + ("*" if _others_pct(r) > DISTURBED else "")
+                    )
+                line.append(f"c={c} {mode}: {', '.join(got)}")
+        print(f"  round {n + 1}/{args.rounds} (tok/s; *: disturbed): {'; '.join(line)}", flush=True)
+    return runs
+
+
+def paired_figures(by_kind: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """`figures` of each stack over the same rounds: those in which none of the stacks'
+    measurements was disturbed (`rounds` > 0), or all of them if there is none (`rounds`
+    < 0: the figures are disturbed)."""
+    n = min(len(runs) for runs in by_kind.values())
+    kept = [i for i in range(n) if all(_others_pct(r[i]) <= DISTURBED for r in by_kind.values())]
+    out = {}
+    for kind, runs in by_kind.items():
+        f = figures([runs[i] for i in kept] if kept else runs[:n], keep_all=True)
+        f["rounds"] = len(kept) if kept else -n
+        out[kind] = f
+    return out
+
+
+def smg_vs_zmqdp(args: argparse.Namespace) -> None:
+    """The S rows: zmqdp's gateway ÷ SMG, each in front of twin fake vLLM engine groups
+    (_smg.py), HTTP tokens/s and the gateway process's CPU per token."""
+    import _smg
+
+    exe, version = _smg.ensure_smg()
+    if exe is None:
+        print(f"\nSMG rows skipped: {version}", flush=True)
+        return
+    flavours = (args.smg_flavours or args.flavours).split(",")
+    conc = [32, 256]
+    modes = ["sse"] + ([] if args.no_json or args.quick else ["json"])
+    engines = (
+        f"fake vLLM 0.33 engines: {_smg.RANKS} dense ranks in one process per gateway, step "
+        f"{1e3 * args.smg_step_time:g} ms + its own time, {TOKENS}-token completions"
+    )
+    print(f"\n{version} vs zmqdp serve ({', '.join(flavours)}); {engines}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="zmqdp-smg-model-"))
+    stacks: dict[str, Any] = {}
+    engine_stats: dict[str, Any] = {}
+    try:
+        model = _smg.model_dir(tmp)
+        _smg.check_tokens(model)
+        for kind in ["smg", *flavours]:  # all up at once; the idle ones cost nothing
+            stacks[kind] = _smg.Stack(kind, model, args.smg_step_time, exe)
+        for stack in stacks.values():
+            stack.wait_ready()
+        runs = smg_rounds(args, stacks, conc, modes)
+    finally:
+        for kind, stack in stacks.items():
+            engine_stats[kind] = stack.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    results: dict[str, dict[int, dict[str, dict[str, float]]]] = {k: {} for k in runs}
+    for c in conc:
+        for mode in modes:
+            for kind, f in paired_figures({k: runs[k][c][mode] for k in runs}).items():
+                results[kind].setdefault(c, {})[mode] = f
+    print(f"\n{engines}; medians of {args.rounds} round(s) of {args.window:g} s")
+    print(
+        f"{'gateway':8} {'c':>4} {'mode':5} {'n':>2} {'tok/s':>9} {'±%':>4} {'÷SMG':>6}"
+        f" {'µs/token':>9} {'÷SMG':>6} {'server%':>8} {'engines%':>9} {'loadgen%':>9}"
+        f" {'others%':>8} {'tok/write':>9}"
+    )
+    disturbed = 0
+    for c in conc:
+        for mode in modes:
+            base = results["smg"][c][mode]
+            for kind in stacks:
+                f = results[kind][c][mode]
+                print(
+                    f"{kind:8} {c:4} {mode:5} {abs(f['rounds']):2.0f} {f['tok_s']:9,.0f} "
+                    f"{f['spread_pct']:4.0f} {f['tok_s'] / base['tok_s']:6.3f} "
+                    f"{f['cpu_us']:9.1f} {f['cpu_us'] / base['cpu_us']:6.2f} "
+                    f"{f['cpu_pct']:8.0f} {f['mock_pct']:9.0f} {f['loadgen_pct']:9.0f} "
+                    f"{f['others_pct']:8.0f} {f['tok_write']:9.2f}"
+                )
+                disturbed += f["rounds"] < 0
+    for kind, st in engine_stats.items():
+        print(
+            f"({kind}: requests per rank {st.get('adds')}, most running at once "
+            f"{st.get('most_running')})"
+        )
+    print(
+        "(÷SMG: zmqdp's figure ÷ SMG's; µs/token: the gateway process's CPU (every thread) "
+        "per token received; server%, engines%, loadgen%: each process's CPU use in % of one "
+        f"core; others%: the machine's busy time none of this benchmark's processes took; n: "
+        f"rounds kept, those in which others% ≤ {DISTURBED:g} for every gateway)"
+    )
+    if disturbed:
+        print(
+            f"WARNING: in {disturbed} figure(s) other work on this machine took more than "
+            f"{DISTURBED:g}% of a core in every round: those figures are disturbed"
+        )
+    rows = []
+    for flavour in flavours:
+        x = SUFFIX[flavour]
+        for c in conc:
+            z, s = results[flavour][c]["sse"], results["smg"][c]["sse"]
+            note = "; DISTURBED by other work" if min(z["rounds"], s["rounds"]) < 0 else ""
+            json_note = ""
+            if "json" in modes:
+                zj, sj = results[flavour][c]["json"], results["smg"][c]["json"]
+                json_note = (
+                    f"; non-streaming {zj['tok_s']:,.0f} vs {sj['tok_s']:,.0f} tok/s "
+                    f"(ratio {zj['tok_s'] / sj['tok_s']:.2f}), {zj['cpu_us']:.0f} vs "
+                    f"{sj['cpu_us']:.0f} µs/token (ratio {zj['cpu_us'] / sj['cpu_us']:.2f})"
+                )
+            context = (
+                f"{z['tok_s']:,.0f} vs {s['tok_s']:,.0f} tok/s; gateway CPU {z['cpu_us']:.0f} vs "
+                f"{s['cpu_us']:.0f} µs/token (ratio {z['cpu_us'] / s['cpu_us']:.2f}; server "
+                f"{z['cpu_pct']:.0f}% vs {s['cpu_pct']:.0f}% of a core){json_note}; {version}, "
+                f"{engines}{note}"
+            )
+            rows.append(
+                Row(
+                    f"S{c}{x}",
+                    f"zmqdp ÷ SMG, HTTP SSE tokens/s, c={c}, {FLAVOURS[flavour]}"
+                    + (" (context)" if c != 256 else ""),
+                    z["tok_s"] / s["tok_s"],
+                    "≥ 1.0" if c == 256 else "",
+                    context,
+                )
+            )
+            if c == 256:
+                rows.append(
+                    Row(
+                        f"S{c}{x}cpu",
+                        f"zmqdp ÷ SMG, gateway CPU µs per token, HTTP SSE, c={c}, "
+                        f"{FLAVOURS[flavour]}",
+                        z["cpu_us"] / s["cpu_us"],
+                        "≤ 2.0",
+                        f"{z['cpu_us']:.1f} vs {s['cpu_us']:.1f} µs/token at {z['tok_s']:,.0f} "
+                        f"vs {s['tok_s']:,.0f} tok/s{note}",
+                    )
+                )
+    save(
+        "gateway_smg",
+        rows,
+        {
+            "smg": version,
+            "engines": {
+                "ranks": _smg.RANKS,
+                "step_time": args.smg_step_time,
+                "tokens": TOKENS,
+                "prompt": _smg.PROMPT,
+                "per_stack": engine_stats,
+            },
+            "gateways": {k: _smg.Stack.NAMES[k] for k in stacks},
+            "results": {k: {str(c): v for c, v in r.items()} for k, r in results.items()},
+            "runs": {k: {str(c): v for c, v in r.items()} for k, r in runs.items()},
+        },
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one short round (CI)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--window", type=float, default=2.0, help="seconds counted a round")
+    parser.add_argument("--settle", type=float, default=0.5, help="s after the stagger")
+    parser.add_argument("--step-time", type=float, default=0.0005, help="mock: s per step")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="mock: per rank")
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--flavours", default="trio,asyncio")
+    parser.add_argument("--no-json", action="store_true", help="skip non-streaming rounds")
+    parser.add_argument("--profile", choices=tuple(FLAVOURS), help="cProfile one server")
+    parser.add_argument("--profile-c", type=int, default=256, help="--profile: concurrency")
+    parser.add_argument("-v", "--verbose", action="store_true", help="--profile: top functions")
+    parser.add_argument("--serve", choices=tuple(FLAVOURS), help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    smg = parser.add_argument_group("the S rows: zmqdp's gateway ÷ SMG, fake vLLM engines")
+    smg.add_argument("--no-smg", action="store_true", help="only the G rows")
+    smg.add_argument("--smg-only", action="store_true", help="only the S rows")
+    smg.add_argument(
+        "--smg-step-time", type=float, default=0.005, help="fake vLLM engines: s per step"
+    )
+    smg.add_argument(
+        "--smg-flavours", default=None, help="zmqdp flavours against SMG (default: --flavours)"
+    )
+    args = parser.parse_args()
+    if args.serve:
+        sys.exit(serve_main(args.serve, args.url, args.engines, args.port))
+    if args.quick:
+        args.rounds, args.window, args.settle = 1, 0.8, 0.3
+    if args.profile:
+        profile(args.profile, args, args.profile_c)
+        return
+    if not args.smg_only:
+        gateway_vs_direct(args)
+    if args.quick and not args.smg_only and not (ROOT / ".venv-smg").exists():
+        # (CI's smoke run: installing SMG would cost it a minute; a full run makes it)
+        print("S rows skipped in --quick: no .venv-smg (a run without --quick makes it)")
+    elif not args.no_smg:
+        smg_vs_zmqdp(args)
 
 
 if __name__ == "__main__":
