@@ -83,17 +83,13 @@ def ensure_smg() -> tuple[Path | None, str]:
 
 
 def model_dir(tmp: Path) -> Path:
-    """The tiny test model with its context raised to 4096 (as tools/aiperf_smoke.py)."""
-    model = tmp / "tiny-4k"
-    shutil.copytree(ROOT / "tests" / "data" / "tiny-model", model)
-    for name, key in (
-        ("config.json", "max_position_embeddings"),
-        ("tokenizer_config.json", "model_max_length"),
-    ):
-        path = model / name
-        config = json.loads(path.read_text())
-        config[key] = 4096
-        path.write_text(json.dumps(config))
+    """The tiny test model with its context raised to 4096 (tools/aiperf_smoke.py's)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import aiperf_smoke
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    model: Path = aiperf_smoke.model_dir(tmp)
     return model
 
 

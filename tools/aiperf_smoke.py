@@ -66,9 +66,12 @@ def aiperf() -> Path:
     return exe
 
 
-def model_dir(tmp: Path) -> Path:
-    model = tmp / "tiny-4k"
-    shutil.copytree(ROOT / "tests" / "data" / "tiny-model", model)
+def model_dir(tmp: Path, src: Path = ROOT / "tests" / "data" / "tiny-model") -> Path:
+    """A copy of the model directory `src` in `tmp`, its context raised to 4096 tokens
+    (aiperf's default prompts are about 550; the tests' models have 512). Also used by
+    tests/real_vllm/test_gateway.py and benchmarks/_smg.py."""
+    model = tmp / f"{src.name}-4k"
+    shutil.copytree(src, model)
     for name, key in (
         ("config.json", "max_position_embeddings"),
         ("tokenizer_config.json", "model_max_length"),

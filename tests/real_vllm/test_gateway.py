@@ -17,7 +17,6 @@ import http.client
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -83,17 +83,14 @@ class Gateway:
         raise AssertionError(f"{name} = {value}, not {want}, after {timeout} s\n{self.tail()}")
 
 
-def long_context_copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    for file, key in (
-        ("config.json", "max_position_embeddings"),
-        ("tokenizer_config.json", "model_max_length"),
-    ):
-        path = dst / file
-        config = json.loads(path.read_text())
-        config[key] = 4096
-        path.write_text(json.dumps(config, indent=2))
-    return dst
+def aiperf_smoke() -> Any:
+    """tools/aiperf_smoke.py (aiperf's venv, the 4096-token model copy, error counts)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import aiperf_smoke
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return aiperf_smoke
 
 
 def _wait_ready(gw: Gateway, timeout: float) -> None:
@@ -126,7 +123,7 @@ def gateway(
     kind, server = request.param
     moe = kind == "moe"
     logs = engine_logs / f"gateway-{kind}"
-    model = long_context_copy(models / kind, tmp_path_factory.mktemp(kind) / kind)
+    model = aiperf_smoke().model_dir(tmp_path_factory.mktemp(kind), models / kind)
     engines = EngineProcs(
         vllm_venv, model, 2, logs, moe=moe, extra=("--max-model-len", str(MAX_MODEL_LEN))
     )
@@ -319,12 +316,8 @@ def test_a_client_that_goes_away_mid_stream_frees_its_request(gateway: Gateway) 
 def test_a_default_aiperf_run_has_no_errors(gateway: Gateway, tmp_path: Path) -> None:
     """aiperf's default profile run (chat, 10 requests, no output limit: each answer runs
     to EOS or the model's length)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import aiperf_smoke
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    exe = aiperf_smoke.aiperf()
+    smoke = aiperf_smoke()
+    exe = smoke.aiperf()
     cmd = [
         str(exe),
         "profile",
@@ -343,5 +336,5 @@ def test_a_default_aiperf_run_has_no_errors(gateway: Gateway, tmp_path: Path) ->
         cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600, env={**os.environ}
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + gateway.tail()
-    records, errors = aiperf_smoke.errors_of(tmp_path / "artifacts")
+    records, errors = smoke.errors_of(tmp_path / "artifacts")
     assert records == 10 and errors == 0, (records, errors, gateway.tail())
