@@ -2,12 +2,13 @@
 
 The wire contract is docs/protocol.md (version 1).
 
-    async with EngineGroup.connect("ipc:///run/zmqdp/g1", engines=2) as group:
+    async with EngineGroup.connect("ipc:///tmp/zmqdp-g1/g", engines=2) as group:
         async with group.submit(Request("r1", body)) as stream:
             async for out in stream:
                 ...
 
-Engine authors: see `zmqdp.engine`.
+Engine authors: see `zmqdp.engine`. The exceptions, and when each is raised:
+`help(zmqdp.ZmqdpError)`.
 """
 
 from ._core.errors import (
@@ -29,6 +30,7 @@ from ._core.errors import (
     RequestTimeout,
     StreamOverflow,
     StreamTruncated,
+    SubmitRefused,
     ZmqdpError,
 )
 from ._core.messages import Load, Output
@@ -86,6 +88,23 @@ __all__ = [
     "ProtocolError",
     "StreamOverflow",
     "StreamTruncated",
+    "SubmitRefused",
     "ZmqdpError",
     "__version__",
 ]
+
+
+def _report_public_module() -> None:
+    """Tracebacks, `help()` and `type()` name `zmqdp.EngineDead`, not the private
+    module it is defined in (trio's idiom); `pickle` finds each class here. Only the
+    exceptions, the group, its stream and the enums: the dataclass values keep their
+    defining module, where `typing.get_type_hints` (pydantic, Hypothesis) resolves their
+    annotations."""
+    for name in ("EngineGroup", "RequestStream", "RankState", "Outcome"):
+        globals()[name].__module__ = __name__
+    for value in list(globals().values()):
+        if isinstance(value, type) and issubclass(value, ZmqdpError):
+            value.__module__ = __name__
+
+
+_report_public_module()

@@ -307,8 +307,8 @@ the displaced connections of earlier engines of the rank (`_restore_route`)."""
 
 OUTPUT_LOST = (
     "its output connection closed, so outputs it sent may be lost: the engine exited, "
-    "or sent a message over max_message_size={} bytes (libzmq drops the message with "
-    "the connection, and the engine reconnects)"
+    "was killed or restarted, or sent a message over max_message_size={} bytes (libzmq "
+    "drops the message with the connection, and the engine reconnects)"
 )
 """The cause of a rank whose output connection closed (a template of the size)."""
 
@@ -317,6 +317,27 @@ OUTPUT_TAKEN = (
     "(ROUTER_HANDOVER: a second process runs as this rank, or its key was replayed), so "
     "what the engine sends is dropped"
 )
+
+
+def handshake_next_step(url: str, up: int, rejected: bool, timeout: float, start: str) -> str:
+    """What a `HandshakeTimeout` tells its reader to do next, from what was seen: `up`
+    ranks came up, some handshakes were `rejected` or not, after `timeout` s."""
+    slow = f"if the engines are still starting, raise ready_timeout (it was {timeout:g} s)"
+    if rejected:
+        return (
+            "the rejected handshakes above say how the engines differ from this client: "
+            f"restart them to match ({start}); {slow}"
+        )
+    if up:
+        return (
+            f"start the missing ranks (each connecting to {url}), or look in their logs "
+            f"for why they stopped; {slow}"
+        )
+    return (
+        f"no engine completed the handshake: is an engine group running and connecting to "
+        f"{url}? Start one with {start} (or check your engines' logs and the URL they "
+        f"were given); {slow}"
+    )
 
 
 class TransportBase:
@@ -638,13 +659,25 @@ class TransportBase:
         while not self.state.ready():
             await self.ranks_changed.wait()
 
-    def timeout_error(self, timeout: float) -> HandshakeTimeout:
+    def timeout_error(self, timeout: float, url: str, start: str) -> HandshakeTimeout:
+        """The `HandshakeTimeout` of a group bound at `url` that waited `timeout` s for
+        its ranks. `start`: how to start an engine group for it (the dialect's command,
+        in backticks), for the message's next step."""
         missing = self.state.missing()
         for rank, why in missing.items():
             explained = self._explain_missing(rank)
             if explained is not None:
                 missing[rank] = f"{why}; {explained}"
-        return HandshakeTimeout(missing, list(self.state.rejected), timeout)
+        rejected = list(self.state.rejected)
+        up = self.size - len(missing)
+        return HandshakeTimeout(
+            missing,
+            rejected,
+            timeout,
+            url=url,
+            size=self.size,
+            next_step=handshake_next_step(url, up, bool(rejected), timeout, start),
+        )
 
     def _explain_missing(self, rank: int) -> str | None:
         """What the dialect saw that may explain why `rank` never joined."""
@@ -1251,7 +1284,10 @@ async def open_group_transport(
             with trio.move_on_after(ready_timeout) as waiting:
                 await transport.wait_ready()
             if waiting.cancelled_caught:
-                raise transport.timeout_error(ready_timeout)
+                at = transport.handshake_address if url.endswith(":*") else url
+                keys = " --keys DIR" if curve is not None else ""
+                start = f"`python -m zmqdp mock --url {at} --engines {engines}{keys}`"
+                raise transport.timeout_error(ready_timeout, at, start)
             yield transport
     finally:
         await transport.aclose()

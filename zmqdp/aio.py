@@ -1,7 +1,7 @@
 """`AsyncioEngineGroup`: the `EngineGroup` API for asyncio hosts (asyncio, uvloop), with
 trio running as a guest on the host's event loop.
 
-    async with AsyncioEngineGroup.connect("ipc:///run/zmqdp/g1", engines=2) as group:
+    async with AsyncioEngineGroup.connect("ipc:///tmp/zmqdp-g1/g", engines=2) as group:
         async with group.submit(Request("r1", body)) as stream:
             async for out in stream:
                 ...
@@ -385,11 +385,20 @@ class _Guest:
 
 
 class AsyncioEngineGroup(Generic[R], metaclass=NoPublicConstructor):
-    """The client of one engine group, for asyncio code: `EngineGroup`'s API with
-    asyncio coroutines and streams (module docstring), on any wire. Create it with
-    `AsyncioEngineGroup.connect`."""
+    """The client of one engine group, for asyncio code. Get one from `connect`, never
+    by calling the class::
+
+        async with AsyncioEngineGroup.connect("ipc:///tmp/zmqdp-g1/g", 2) as group:
+            async with group.submit(Request("r1", body)) as stream:
+                async for out in stream:
+                    ...
+
+    `EngineGroup`'s API with asyncio coroutines and streams (module docstring), on any
+    wire (`dialect=zmqdp.vllm.dialect()` for vLLM engine cores)."""
 
     def __init__(self, group: EngineGroup[R], guest: _Guest) -> None:
+        """Private: `connect` builds it. Use `AsyncioEngineGroup.connect(url, engines)`;
+        calling the class raises `TypeError`."""
         self._group = group
         self._guest = guest
         self.size = group.size
@@ -474,10 +483,11 @@ class AsyncioEngineGroup(Generic[R], metaclass=NoPublicConstructor):
     def submit(self, request: R) -> AsyncioRequestStream:
         """Send a request; return its stream (use it with `async with` at once).
 
-        Never blocks. Raises `Overloaded` (admission control: no room, see
-        `wait_submit`), `GroupDraining`, `GroupClosed`, `DuplicateRequestId`,
-        `InvalidRank`, `NoEngineAvailable` or `InvalidRequest`, each before anything is
-        sent or reserved (`EngineGroup.submit`).
+        Never blocks. Raises a `SubmitRefused` or a `GroupClosed`, each before
+        anything is sent or reserved: `Overloaded` (admission control: no room, see
+        `wait_submit`), `GroupDraining`, `GroupClosed`, `DuplicateRequestId` (an
+        `InvalidRequest`), `InvalidRank`, `NoEngineAvailable` or `InvalidRequest`
+        (`EngineGroup.submit`).
         """
         guest = self._guest
         guest.check_thread()

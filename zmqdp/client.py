@@ -103,9 +103,21 @@ S = TypeVar("S")
 
 
 class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
-    """The client of one engine group; `R` is the request type of its wire (`Request`
-    natively, `zmqdp.vllm.VllmRequest` on vLLM's). Create it with
-    `EngineGroup.connect` (native engines) or `zmqdp.vllm.connect`."""
+    """The client of one engine group. Get one from `connect`, never by calling the
+    class::
+
+        async with EngineGroup.connect("ipc:///tmp/zmqdp-g1/g", engines=2) as group:
+            async with group.submit(Request("r1", body)) as stream:
+                async for out in stream:
+                    ...
+
+    `connect` binds the URL and waits (`ready_timeout`, 60 s) until every rank has
+    connected and done the handshake; to try it without engines of your own, run
+    ``python -m zmqdp mock --url ipc:///tmp/zmqdp-g1/g --engines 2`` in another shell.
+    vLLM engine cores: `zmqdp.vllm.connect`; asyncio code: `zmqdp.aio`.
+
+    `R` is the request type of its wire (`Request` natively, `zmqdp.vllm.VllmRequest`
+    on vLLM's). What it raises: `help(zmqdp.ZmqdpError)`."""
 
     stream_class: type[RequestStream] = RequestStream
     """The stream class `submit` makes (`zmqdp.aio` makes its own; benchmarks switch
@@ -119,6 +131,9 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         options: ConnectOptions,
         stream_class: type[RequestStream] | None,
     ) -> None:
+        """Private: zmqdp builds the group once its engines are connected. Use
+        `EngineGroup.connect(url, engines)` (or `zmqdp.vllm.connect`); calling the class
+        raises `TypeError`."""
         self._transport = transport
         self._core = core
         self._thread = threading.get_ident()
@@ -163,11 +178,12 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         pass one record as `options`). Engines that kept running after an earlier
         client went away are picked up (RESYNC, docs/protocol.md §2.5).
 
-        Raises `HandshakeTimeout` naming each missing rank, `ValueError` for options no
-        group could use. Leaving the block sends ABORT for every live request, then
-        closes every socket; live streams end with `GroupClosed`. An exception raised
-        in the block passes out unchanged; errors of zmqdp's own tasks come out as one
-        plain exception.
+        Raises `HandshakeTimeout` after `ready_timeout` (60 s) without every rank: it
+        names the URL, the ranks that came up, each missing one and what to do next.
+        `ValueError` for options no group could use. Leaving the block sends ABORT for
+        every live request, then closes every socket; live streams end with
+        `GroupClosed`. An exception raised in the block passes out unchanged; errors of
+        zmqdp's own tasks come out as one plain exception.
 
         Cancellation: cancelled while waiting for the engines, it closes everything
         and leaves nothing running.
@@ -277,11 +293,12 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
     def submit(self, request: R) -> RequestStream:
         """Send a request; return its stream (use it with `async with` at once).
 
-        Never blocks. Raises `Overloaded` (admission control: no room, see
-        `wait_submit`), `GroupDraining`, `GroupClosed`, `DuplicateRequestId`,
-        `InvalidRank`, `NoEngineAvailable` or `InvalidRequest` (a bad id, timeout or
-        pinned rank, a body with no wire form, or an ADD larger than the engine
-        accepts), each before anything is sent or reserved.
+        Never blocks. Raises a `SubmitRefused` or a `GroupClosed`, each before anything
+        is sent or reserved: `Overloaded` (admission control: no room, see
+        `wait_submit`), `GroupDraining`, `GroupClosed`, `DuplicateRequestId` (an
+        `InvalidRequest`), `InvalidRank`, `NoEngineAvailable` or `InvalidRequest` (a
+        bad id, timeout or pinned rank, a body with no wire form, or an ADD larger than
+        the engine accepts).
         """
         self._check_thread()
         prepared = self._wire.prepare(request, self._infos, time.time())
@@ -341,8 +358,10 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
         Raises `CallTimeout` if no reply comes within `timeout` s, `CallFailed` with the
         engine's error string (or what was wrong with its reply), `EngineDead` if the
-        rank dies first or is not up, `GroupClosed`, and `InvalidRequest` if the
-        arguments have no wire form or the call is larger than the rank accepts.
+        rank is down when called (dead, rejoining, not yet back: nothing is sent) or
+        dies before it answers, `InvalidRank` for a rank outside the group,
+        `GroupClosed`, and `InvalidRequest` if the arguments have no wire form or the
+        call is larger than the rank accepts.
 
         Cancellation: the reply, if it comes later, is dropped.
         """

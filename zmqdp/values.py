@@ -2,13 +2,22 @@
 outside (`EngineInfo`, `RankState`, `GroupStatistics`, `GroupHealth`), and the one
 options record of `connect` (`ConnectOptions`).
 
+JSON: `GroupStatistics`, `RankStatistics`, `GroupHealth` and `HistogramSnapshot` have
+`to_json()`, a dict of JSON-safe values for a gateway to serve
+(`json.dumps(group.statistics().to_json())`): field names as keys, `RankState` as its
+value (``"up"``, ``"down"``), a `Load` and a histogram as dicts of their fields
+(`HistogramSnapshot.to_json`), tuples as lists, and a float that is not finite as None
+(a `Load.kv` of NaN: unknown), so even `json.dumps(..., allow_nan=False)` takes it.
+
 Plain frozen records with no behaviour and no I/O, so every layer can import them: the
 trio client, `zmqdp.aio`, the gateway, the dialects and the admission queue.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
@@ -53,6 +62,25 @@ class RankState(enum.Enum):
 
 
 T = TypeVar("T")
+
+
+def _json(value: Any) -> Any:
+    """`value` as JSON-safe data (module docstring)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, enum.Enum):
+        return _json(value.value)
+    if isinstance(value, HistogramSnapshot):
+        return value.to_json()
+    if isinstance(value, tuple | list):
+        return [_json(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    raise TypeError(f"no JSON form for {type(value).__name__}")
 
 
 class WatchedValue(Protocol[T]):
@@ -121,6 +149,11 @@ class RankStatistics:
     """Seconds from submit to the first output, of requests sent to it."""
     latency: HistogramSnapshot
     """Seconds from submit to the terminal output, of its requests that finished."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe (module docstring): ``{"rank": 0, "state": "up", "load": {"waiting":
+        0, "running": 0, "kv": 0.0 or None}, ..., "ttft": {histogram}, ...}``."""
+        return _json(self)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +234,11 @@ class GroupStatistics:
     process with the rank's identity had displaced (`ROUTER_HANDOVER` leaves them open
     with no route), so that the engine reconnects and hears its RESYNC."""
 
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe (module docstring): every field, `ranks` a list of
+        `RankStatistics.to_json()`."""
+        return _json(self)  # type: ignore[no-any-return]
+
 
 @dataclass(frozen=True, slots=True)
 class GroupHealth:
@@ -217,6 +255,10 @@ class GroupHealth:
     """Live requests."""
     room: int | None
     """Requests the up ranks can still take before admission refuses (None: no cap)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe (module docstring): every field, as is."""
+        return _json(self)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,51 @@
 """zmqdp's exception tree: one base class, one subclass per situation a caller can act on.
 
 Every message names the rank, the request id and the cause where they are known, so a
-log line alone tells an operator which engine to look at.
+log line alone tells an operator which engine to look at. Every class is exported from
+`zmqdp` and reports that module (tracebacks say `zmqdp.EngineDead`); every instance
+survives `pickle` and `copy` with its message and attributes.
+
+The tree (indentation is subclassing; the standard base, if any, in parentheses):
+
+- `ZmqdpError`: the base of every error zmqdp raises on purpose.
+    - `SubmitRefused`: `submit()` / `wait_submit()` refused the request synchronously;
+      nothing was sent or reserved. With `GroupClosed`, all they raise (besides
+      `RuntimeError` for a call from another thread than the group's).
+        - `InvalidRequest` (`ValueError`): the request cannot be sent as it is (a bad
+          id, timeout or rank type, a body with no wire form, an ADD larger than the
+          engine accepts; `call()`: arguments with no wire form). Fix it; do not retry.
+            - `DuplicateRequestId`: a request with this id is still live.
+        - `InvalidRank` (`ValueError`): a pinned rank outside the group (fix it) or
+          down (retry later); also `call()` and `rank_state()` with a rank outside it.
+        - `Overloaded`: admission control (`max_inflight`): no room on the pinned
+          rank or any up rank. Retry later, or use `wait_submit()`.
+        - `NoEngineAvailable`: no rank is up to take an unpinned request. Retry later.
+    - `GroupClosed`: the group is closed or failed: `submit()` and `call()` refuse,
+      live streams end with it.
+        - `GroupDraining`: `drain()` was called: no new requests.
+        - `GroupRecovering`: a failed lockstep group waits for its ranks
+          (`recover=True`); it serves again afterwards.
+    - `HandshakeTimeout` (`TimeoutError`): `connect()`: not every rank finished the
+      handshake within `ready_timeout` (names the URL, each missing rank, what to do).
+    - `HandshakeRejected`: engine side: the client answered this engine's HELLO with
+      REJECT.
+    - `ProtocolError`: a peer sent what docs/protocol.md does not allow; a stream ends
+      with it when a malformed entry names its request.
+    - `EngineDead`: a rank was declared dead: the streams of its requests end with it;
+      `call()` raises it for a rank that dies first or is not up.
+    - `RequestTimeout` (`TimeoutError`): a stream: the request's deadline passed; it was
+      aborted on its rank.
+    - `RequestAborted`: a stream: `abort()` was called while it was being read.
+    - `StreamTruncated`: a stream: the engine dropped the request without a terminal
+      output.
+    - `StreamOverflow`: a stream: its reader fell `max_buffered` outputs behind; the
+      request was aborted on its rank.
+    - `CallTimeout` (`TimeoutError`): `call()` got no reply within its `timeout`.
+    - `CallFailed`: `call()`: the engine answered with an error, or an invalid reply.
+
+Around `submit()`, `except (SubmitRefused, GroupClosed)` catches every refusal; a
+stream's errors are the ones marked "a stream" above, plus `EngineDead`,
+`ProtocolError` and `GroupClosed`.
 """
 
 from __future__ import annotations
@@ -29,6 +73,7 @@ __all__ = [
     "RequestTimeout",
     "StreamOverflow",
     "StreamTruncated",
+    "SubmitRefused",
     "ZmqdpError",
     "quote",
 ]
@@ -64,7 +109,26 @@ def _where(rank: int | None, request_id: str | None) -> str:
 
 
 class ZmqdpError(Exception):
-    """Base class of every error zmqdp raises on purpose."""
+    """Base class of every error zmqdp raises on purpose (the tree below)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The default calls `type(self)(*self.args)`, which our `__init__`s (taking
+        # the parts, not the message) refuse: rebuild without calling `__init__`.
+        return (_rebuild, (type(self), self.args), self.__dict__)
+
+
+def _rebuild(cls: type[ZmqdpError], args: tuple[Any, ...]) -> ZmqdpError:
+    """Unpickle (or copy) a `ZmqdpError`: its message (`args`), then its attributes."""
+    error = cls.__new__(cls)
+    error.args = args
+    return error
+
+
+class SubmitRefused(ZmqdpError):
+    """`submit()` or `wait_submit()` refused the request, synchronously, before
+    anything was sent or reserved: catch this (and `GroupClosed`, the group's own
+    refusal) around a submit. A subclass says why: `InvalidRequest` (fix the request),
+    `InvalidRank`, `Overloaded` or `NoEngineAvailable` (retry later)."""
 
 
 class ProtocolError(ZmqdpError):
@@ -103,8 +167,10 @@ class ProtocolError(ZmqdpError):
         )
 
 
-class InvalidRequest(ZmqdpError, ValueError):
-    """A request cannot be sent as it is (for example its body has no CBOR form §8 allows)."""
+class InvalidRequest(SubmitRefused, ValueError):
+    """A request cannot be sent as it is (for example its body has no CBOR form §8 allows,
+    or its id is already live: `DuplicateRequestId`). `call()` raises it too, for
+    arguments with no wire form. Fix the request; sending it again as is fails again."""
 
     def __init__(self, request_id: str, cause: str):
         self.request_id = request_id
@@ -112,20 +178,23 @@ class InvalidRequest(ZmqdpError, ValueError):
         super().__init__(f"request {quote(request_id)} cannot be sent: {cause}")
 
 
-class DuplicateRequestId(ZmqdpError, ValueError):
-    """A request with this id is still live; ids must be unique among live requests."""
+class DuplicateRequestId(InvalidRequest):
+    """A request with this id is still live; ids must be unique among live requests.
+    An `InvalidRequest`, so `except InvalidRequest` catches it."""
 
     def __init__(self, request_id: str, rank: int | None = None):
         self.request_id = request_id
         self.rank = rank
         on = f" on rank {rank}" if rank is not None else ""
-        super().__init__(
-            f"request {quote(request_id)} is already live{on}; wait for it to end or abort it first"
-        )
+        why = f"already live{on}; wait for it to end or abort it first"
+        self.cause = f"the id is {why}"
+        ZmqdpError.__init__(self, f"request {quote(request_id)} is {why}")
 
 
-class InvalidRank(ZmqdpError, ValueError):
-    """A pinned request names a rank that does not exist or is not up."""
+class InvalidRank(SubmitRefused, ValueError):
+    """A pinned request names a rank that does not exist (fix it) or is not up (retry
+    later, or submit it unpinned). `call()` and `rank_state()` raise it too, for a rank
+    outside the group."""
 
     def __init__(self, rank: int, size: int, request_id: str | None, cause: str):
         self.rank = rank
@@ -133,10 +202,11 @@ class InvalidRank(ZmqdpError, ValueError):
         self.request_id = request_id
         self.cause = cause
         req = f" (request {quote(request_id)})" if request_id is not None else ""
-        super().__init__(f"rank {rank}{req}: {cause}")
+        who = rank if type(rank) is int else quote(rank)  # rank="0" must read as a str
+        super().__init__(f"rank {who}{req}: {cause}")
 
 
-class NoEngineAvailable(ZmqdpError):
+class NoEngineAvailable(SubmitRefused):
     """An unpinned request found no rank up to take it (every rank is down or rejoining)."""
 
     def __init__(self, request_id: str, size: int):
@@ -148,7 +218,7 @@ class NoEngineAvailable(ZmqdpError):
         )
 
 
-class Overloaded(ZmqdpError):
+class Overloaded(SubmitRefused):
     """Admission control refused the request: the pinned `rank`, or every up rank, is at
     its in-flight cap (`max_inflight`). Nothing was sent or reserved; submit again
     later, or use `wait_submit` to wait for room. A gateway answers 429."""
@@ -182,17 +252,55 @@ class RequestTimeout(ZmqdpError, TimeoutError):
 
 
 class HandshakeTimeout(ZmqdpError, TimeoutError):
-    """The group was not ready in time; names every missing rank and every rejected
-    handshake message."""
+    """The group was not ready in time. The message names the URL, which ranks came up
+    and which did not (each with what it lacks), every rejected handshake message, how
+    long it waited, and what to do next.
 
-    def __init__(self, missing: dict[int, str], rejected: list[str], timeout: float):
+    `missing`: rank -> why it is not up; `rejected`: the recent rejection reasons;
+    `timeout`: the seconds waited; `url`, `size` (the group's ranks), `up` (the ranks
+    that came up) and `next_step` when the raiser knows them (the client does; the
+    engine side's own handshake timeout names its rank only)."""
+
+    def __init__(
+        self,
+        missing: dict[int, str],
+        rejected: list[str],
+        timeout: float,
+        *,
+        url: str | None = None,
+        size: int | None = None,
+        next_step: str | None = None,
+    ):
         self.missing = dict(missing)
         self.rejected = list(rejected)
         self.timeout = timeout
-        lines = [f"engine group not ready after {timeout:g} s"]
+        self.url = url
+        self.size = size
+        self.up: tuple[int, ...] = (
+            () if size is None else tuple(r for r in range(size) if r not in self.missing)
+        )
+        """The ranks that completed the handshake (empty when `size` is unknown)."""
+        self.next_step = next_step
+        if url is None:
+            lines = [f"engine group not ready after {timeout:g} s"]
+        else:
+            lines = [f"engine group at {url} not ready after waiting {timeout:g} s"]
+        if size is not None:
+            lines[0] += f": {len(self.up)} of {size} ranks up"
+            if self.up:
+                lines[0] += f" ({_ranks(self.up)})"
         lines += [f"  rank {r}: {why}" for r, why in sorted(self.missing.items())]
         lines += [f"  rejected handshake: {why}" for why in self.rejected]
+        if next_step:
+            lines.append(f"next step: {next_step}")
         super().__init__("\n".join(lines))
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    """`rank 0` / `ranks 0, 2`: at most 16 named, then how many more."""
+    shown = ", ".join(map(str, ranks[:16]))
+    more = f" and {len(ranks) - 16} more" if len(ranks) > 16 else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
 
 
 class HandshakeRejected(ZmqdpError):
@@ -201,7 +309,9 @@ class HandshakeRejected(ZmqdpError):
     def __init__(self, rank: int, reason: str):
         self.rank = rank
         self.reason = reason
-        super().__init__(f"rank {rank}: the client rejected this engine: {reason}")
+        prefix = f"rank {rank}: "  # the client's reason often names the rank already
+        said = reason[len(prefix) :] if reason.startswith(prefix) else reason
+        super().__init__(f"rank {rank}: the client rejected this engine: {said}")
 
 
 class EngineDead(ZmqdpError):
@@ -300,3 +410,13 @@ class StreamOverflow(ZmqdpError):
             f"{_where(rank, request_id)}: the consumer did not keep up: {limit} outputs "
             f"were waiting to be read (max_buffered); {what}"
         )
+
+
+def _document_tree() -> None:
+    """`help(zmqdp.ZmqdpError)` shows the tree of the module docstring (one copy)."""
+    if __doc__ is None or ZmqdpError.__doc__ is None:  # python -OO: no docstrings
+        return
+    ZmqdpError.__doc__ += "\n\n" + __doc__[__doc__.index("The tree") :].rstrip()
+
+
+_document_tree()

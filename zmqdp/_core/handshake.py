@@ -173,6 +173,9 @@ class HandshakeState:
         self._ranks = [_Rank() for _ in range(size)]
         self._next_epoch = first_epoch
         self.rejected: deque[str] = deque(maxlen=MAX_REJECTIONS_KEPT)
+        self.rejected_ranks: dict[int, str] = {}
+        """rank -> why its latest HELLO was refused (while it is not up): so a timeout
+        says that, not "no HELLO yet"."""
         """The most recent rejection reasons (bounded: a peer can send any number)."""
         self.rejections = 0
         self.rejoins = [0] * size
@@ -228,6 +231,7 @@ class HandshakeState:
         rejoin = self._ranks[rank].phase is not RankPhase.MISSING
         conflict = self._rejoined(rank, now) if rejoin else None
         self._hellos[rank].append(now)
+        self.rejected_ranks.pop(rank, None)
         epoch = self._next_epoch
         self._next_epoch += 1
         self._ranks[rank] = _Rank(
@@ -361,8 +365,17 @@ class HandshakeState:
         return all(r.phase is RankPhase.UP for r in self._ranks)
 
     def missing(self) -> dict[int, str]:
-        """Every rank that is not up, with what it is waiting for."""
-        return {i: r.phase.value for i, r in enumerate(self._ranks) if r.phase is not RankPhase.UP}
+        """Every rank that is not up, with what it is waiting for (a rank whose HELLO
+        was refused and that has not said another: the refusal)."""
+        return {
+            i: (
+                f"its HELLO was rejected: {self.rejected_ranks[i]}"
+                if r.phase is RankPhase.MISSING and i in self.rejected_ranks
+                else r.phase.value
+            )
+            for i, r in enumerate(self._ranks)
+            if r.phase is not RankPhase.UP
+        }
 
     def hello_wave(self) -> int:
         """The highest `wave` any admitted rank said in its HELLO (0 if none did)."""
@@ -383,6 +396,7 @@ class HandshakeState:
         rejoin = False
         conflict = None
         if rank is not None and 0 <= rank < self.size:
+            self.rejected_ranks[rank] = reason
             rejoin = self._ranks[rank].phase is not RankPhase.MISSING
             if rejoin:
                 conflict = self._rejoined(rank, now)

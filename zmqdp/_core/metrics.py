@@ -8,8 +8,10 @@ generation); what falls above the last lands in the implicit +Inf bucket.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["LATENCY_BUCKETS", "Histogram", "HistogramSnapshot"]
 
@@ -50,6 +52,55 @@ class HistogramSnapshot:
             total += n
             out.append((bound, total))
         return out
+
+    def quantile(self, q: float) -> float:
+        """The `q`-quantile (0 <= q <= 1; 0.99 is p99) estimated as Prometheus'
+        `histogram_quantile` does: find the bucket holding the observation of rank
+        `q * count` and interpolate linearly between its bounds, as if its observations
+        were spread evenly over it. The estimate is only as fine as the buckets.
+
+        Edge cases: no observations: NaN. `q` outside [0, 1] (or NaN): `ValueError`.
+        The rank in the +Inf bucket (above the last bound): the highest finite bound
+        (the histogram knows no more). The first bucket starts at 0 (its bound is
+        returned as is if it is <= 0). `q == 0`: the lower bound of the first bucket
+        that holds an observation. No finite bound at all: NaN.
+        """
+        if not 0.0 <= q <= 1.0:  # also refuses NaN
+            raise ValueError(f"a quantile needs 0 <= q <= 1, got {q!r}")
+        total = sum(self.counts)
+        if total == 0 or not self.buckets:
+            return math.nan
+        rank = q * total
+        below = 0  # observations in the buckets before this one
+        i = n = 0
+        for i, n in enumerate(self.counts):  # noqa: B007 - i and n are used below
+            if n and below + n >= rank:
+                break
+            below += n
+        if i == len(self.buckets):  # the +Inf bucket
+            return self.buckets[-1]
+        upper = self.buckets[i]
+        if i == 0:
+            if upper <= 0:
+                return upper
+            lower = 0.0
+        else:
+            lower = self.buckets[i - 1]
+        if rank >= below + n:  # the bucket's last observation: its bound, exactly
+            return upper
+        estimate = lower + (upper - lower) * ((rank - below) / n)
+        return min(max(estimate, lower), upper)  # rounding stays in the bucket
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe: ``{"buckets": [upper bounds], "counts": [per bucket, then one
+        more: above the last bound (+Inf)], "sum": float, "count": int}``; a sum that
+        is not finite becomes None. `json.dumps` takes it as is."""
+        return {
+            "buckets": list(self.buckets),
+            "counts": list(self.counts),
+            "sum": self.sum if math.isfinite(self.sum) else None,
+            "count": self.count,
+        }
 
 
 class Histogram:

@@ -17,7 +17,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from .codec import BatchDecoder, EntryCursor, decode_batch_sliced, encode_request
-from .errors import ProtocolError
+from .errors import InvalidRequest, ProtocolError, quote
 from .handshake import identity_rank
 from .messages import Abort, Add, Call, OutputBatch, Wake
 
@@ -127,7 +127,13 @@ class NativeWire:
         self, request: Any, infos: Sequence[Mapping[str, Any]], wall_time: float
     ) -> Prepared:
         """`zmqdp.Request` as it is (`Request.body` any CBOR-able value)."""
-        return Prepared(request.id, request.body, request.rank, request.timeout)
+        try:  # (duck-typed: the core does not import zmqdp.values)
+            return Prepared(request.id, request.body, request.rank, request.timeout)
+        except AttributeError:
+            raise InvalidRequest(
+                str(getattr(request, "id", "?")),
+                f"submit takes a zmqdp.Request, not a {type(request).__name__}: {quote(request)}",
+            ) from None
 
     def encode_add(self, wire_id: str, body: Any, wave: int) -> tuple[bytes, bytes]:
         return encode_request(Add(wire_id, body))

@@ -8,8 +8,9 @@ the engine cannot honour (named in
 `param`, ``unsupported_parameter``),
 an unknown field
 (``unrecognized_argument``),
-`InvalidRequest`, a pinned rank that
-does not exist (`X-Data-Parallel-Rank`),
+`InvalidRequest` (`DuplicateRequestId`
+too), a pinned rank that does not
+exist (`X-Data-Parallel-Rank`),
 a non-streaming `max_tokens` past
 `max_collected_tokens`
 `Overloaded` (every rank, or the       429     retry after `Retry-After` seconds
@@ -48,7 +49,6 @@ find the engine and the request.
 from __future__ import annotations
 
 from .._core.errors import (
-    DuplicateRequestId,
     EngineDead,
     GroupClosed,
     GroupDraining,
@@ -125,7 +125,7 @@ def http_error(exc: BaseException, *, retry_after: int, size: int) -> HTTPError:
                 503, "service_unavailable", "rank_unavailable", message, retry_after=retry_after
             )
         return HTTPError(400, "invalid_request_error", "invalid_rank", message)
-    if isinstance(exc, InvalidRequest | DuplicateRequestId):
+    if isinstance(exc, InvalidRequest):  # DuplicateRequestId too: it is one
         return HTTPError(400, "invalid_request_error", "invalid_request", message)
     if isinstance(exc, RequestTimeout):
         # Not retried by the client: the same request would run to the same deadline

@@ -403,6 +403,20 @@ class VllmTransport(TransportBase):
             await zs.wait_readable_or_kicked()
 
 
+def _start_command(url: str, engines: int) -> str:
+    """How to start the headless vLLM engines of a group at `url` (one per rank R), for
+    `HandshakeTimeout`'s next step."""
+    host, port = "HOST", "PORT"
+    if url.startswith("tcp://"):
+        host, _, port = url[len("tcp://") :].rpartition(":")
+    return (
+        f"`vllm serve MODEL --headless --data-parallel-size {engines} "
+        "--data-parallel-size-local 1 --data-parallel-start-rank R "
+        f"--data-parallel-address {host} --data-parallel-rpc-port {port}`, one process "
+        "per rank R"
+    )
+
+
 @asynccontextmanager
 async def open_vllm_transport(
     url: str,
@@ -450,7 +464,7 @@ async def open_vllm_transport(
             with trio.move_on_after(ready_timeout) as waiting:
                 await transport.wait_ready()
             if waiting.cancelled_caught:
-                raise transport.timeout_error(ready_timeout)
+                raise transport.timeout_error(ready_timeout, url, _start_command(url, engines))
             yield transport
     finally:
         with contextlib.suppress(trio.ClosedResourceError):
