@@ -11,16 +11,19 @@ from __future__ import annotations
 import re
 import sys
 from collections import Counter
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-from zmqdp import EngineDead, EngineGroup, GroupClosed, HandshakeTimeout, Request
+from zmqdp import EngineDead, EngineGroup, GroupClosed, HandshakeTimeout, RankState, Request
 from zmqdp.mock import mock_process
 
 from .helpers import collect
+
+NO_RICH = find_spec("rich") is None  # the demo extra
 
 
 def body(tokens: int) -> dict[str, Any]:
@@ -177,7 +180,10 @@ async def test_bad_hello_is_rejected_and_named_by_the_timeout(tmp_path: Path) ->
         with pytest.raises(HandshakeTimeout) as info:
             async with EngineGroup.connect(url, 2, ready_timeout=3):
                 pass  # pragma: no cover
-    assert info.value.missing == {1: "no HELLO yet"}
+    # the rank is named by its refusal, not as one that said nothing ("no HELLO yet")
+    [why] = info.value.missing.values()
+    assert list(info.value.missing) == [1] and why.startswith("its HELLO was rejected: ")
+    assert "size 3, the client expects 2" in why
     assert any("size 3, the client expects 2" in r for r in info.value.rejected)
 
 
@@ -206,20 +212,16 @@ async def test_least_loaded_sends_fewer_requests_to_a_slow_rank(tmp_path: Path) 
     assert ranks[1] < 0.4 * 120, ranks  # an even split would be 60
 
 
+def demo_command(*options: str) -> list[str]:
+    """`python -m zmqdp demo` with `options`, its progress bar off."""
+    return [sys.executable, "-m", "zmqdp", "demo", "--no-progress", *options]
+
+
+@pytest.mark.skipif(NO_RICH, reason="the demo extra: pip install -e '.[demo]'")
 @pytest.mark.timeout_s(120)
 async def test_the_demo_command_runs(tmp_path: Path) -> None:
     result = await trio.run_process(
-        [
-            sys.executable,
-            "-m",
-            "zmqdp",
-            "demo",
-            "--requests",
-            "24",
-            "--no-progress",
-            "--step-time",
-            "0.005",
-        ],
+        demo_command("--requests", "24", "--step-time", "0.005"),
         capture_stdout=True,
         capture_stderr=True,
         check=False,
@@ -228,31 +230,64 @@ async def test_the_demo_command_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, out + result.stderr.decode()
     assert "24 completed, 0 failed" in out and "OK: every request completed" in out
     assert "tokens/s" in out and "TTFT p50 / p99" in out
+    # one duration, named; tokens/s said to be the mock's (simulated engines)
+    assert out.count("run time") == 1 and "wall time" not in out and "finished in" not in out
+    assert "simulated" in out and "--step-time 0.005 s" in out
 
 
+@pytest.mark.skipif(NO_RICH, reason="the demo extra: pip install -e '.[demo]'")
 @pytest.mark.timeout_s(120)
 async def test_the_demo_exits_nonzero_when_a_fault_is_not_what_it_predicts(
     tmp_path: Path,
 ) -> None:
     """With a fault that the workload never reaches, the prediction fails: exit 1."""
     result = await trio.run_process(
-        [
-            sys.executable,
-            "-m",
-            "zmqdp",
-            "demo",
-            "--requests",
-            "4",
-            "--no-progress",
-            "--step-time",
-            "0.005",
-            "--fault",
-            "dead",
-            "--fault-after",
-            "100000",
-        ],
+        demo_command(
+            "--requests", "4", "--step-time", "0.005", "--fault", "dead", "--fault-after", "100000"
+        ),
         capture_stdout=True,
         check=False,
     )
     assert result.returncode == 1
     assert "FAILED: the injected fault (dead) caused no failure" in result.stdout.decode()
+
+
+@pytest.mark.skipif(NO_RICH, reason="the demo extra: pip install -e '.[demo]'")
+@pytest.mark.timeout_s(120)
+async def test_the_demo_rejoin_fault_is_one_restart_with_no_conflict_warning() -> None:
+    """`--fault rejoin` restarts rank 1 once: its live requests fail alike (one row of
+    the error table, the request id as `<id>`), and the client does not take the
+    restart for two processes claiming the rank."""
+    result = await trio.run_process(
+        demo_command(
+            "--requests", "60", "--step-time", "0.005", "--fault", "rejoin", "--fault-after", "20"
+        ),
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    out, err = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 0, out + err
+    assert "claiming" not in out + err and "restarting in a loop" not in out + err
+    assert "OK: " in out and "failed as the fault predicts" in out
+    rows = [line for line in out.splitlines() if "EngineDead" in line and "<id>" in line]
+    assert len(rows) == 1, out
+
+
+@pytest.mark.timeout_s(60)
+async def test_a_rejoin_fault_capped_by_rejoins_restarts_the_rank_once(tmp_path: Path) -> None:
+    """`1:rejoin=5` with `1:rejoins=1`: the requests live at the restart fail; every
+    later one completes however many outputs rank 1 emits, with no identity conflict."""
+    url = f"ipc://{tmp_path}/g"
+    faults = ["--fault", "1:rejoin=5", "--fault", "1:rejoins=1"]
+    async with (
+        mock_process(url, 2, "--step-time", "0.002", *faults),
+        EngineGroup.connect(url, 2) as group,
+    ):
+        with pytest.raises(EngineDead):
+            await collect(group, Request("first", body(TOKENS), rank=1))
+        await group.rank_state(1).wait_value(lambda s: s is RankState.UP)
+        for i in range(6):  # 60 outputs: without the cap, a rejoin every 5
+            outs = await collect(group, Request(f"r{i}", body(TOKENS), rank=1))
+            assert outs[-1].finish == "length"
+        assert group.statistics().identity_conflicts == 0

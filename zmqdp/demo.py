@@ -1,29 +1,33 @@
 """`python -m zmqdp demo`: stream a workload through a mock engine group and report.
 
 It starts `python -m zmqdp mock` in a subprocess on a private ipc path, connects an
-`EngineGroup`, streams a mixed workload with a live progress bar, and prints a summary:
-throughput, time to first token and total latency (p50/p99), requests and peak
-in-flight load per rank, and errors. It exits 0 only if every request completed, or
-failed exactly as the injected fault predicts.
+`EngineGroup`, streams a mixed workload with a live progress bar (done, requests/s, in
+flight, ETA), and prints a summary: the run time, throughput, time to first token and
+total latency (p50/p99), requests and peak in-flight load per rank, and the errors
+grouped by cause. The engines are simulated: tokens/s and the latencies follow from the
+mock's step time (`--step-time`), not from a model. It exits 0 only if every request
+completed, or failed exactly as the injected fault predicts.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import shutil
 import socket
 import sys
 import tempfile
-import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from . import EngineDead, EngineGroup, GroupClosed, HandshakeTimeout, Request, ZmqdpError
+from ._core.errors import quote
 from .keys import ClientKeys, generate_keys, load_client_keys
 from .mock import mock_process
 
@@ -85,6 +89,11 @@ def _mock_args(args: argparse.Namespace) -> list[str]:
         cmd += ["--fault", f"{args.fault_rank}:bad_hello=size"]
     elif args.fault == "garbage":  # one invalid batch kills the rank (docs/protocol.md §7)
         cmd += ["--fault", f"{args.fault_rank}:garbage=1"]
+    elif args.fault == "rejoin":
+        # one restart: a rank that rejoined every N outputs would be an engine restarting
+        # in a loop, which the client reports as a possible identity conflict
+        cmd += ["--fault", f"{args.fault_rank}:rejoin={args.fault_after}"]
+        cmd += ["--fault", f"{args.fault_rank}:rejoins=1"]
     elif args.fault is not None:
         cmd += ["--fault", f"{args.fault_rank}:{args.fault}={args.fault_after}"]
     return cmd
@@ -95,7 +104,11 @@ async def _workload(
 ) -> None:
     rng = random.Random(args.seed)
     limiter = trio.CapacityLimiter(args.concurrency)
-    task = progress.add_task("requests", total=args.requests) if progress else None
+    task = progress.add_task("requests", total=args.requests, inflight=0) if progress else None
+
+    def show_inflight() -> None:
+        if progress:
+            progress.update(task, inflight=sum(run.inflight.values()))
 
     async def one(i: int) -> None:
         result = Result(f"req-{i}")
@@ -115,6 +128,7 @@ async def _workload(
                 run.inflight[stream.rank] += 1
                 run.per_rank[stream.rank] += 1
                 run.peak[stream.rank] = max(run.peak[stream.rank], run.inflight[stream.rank])
+                show_inflight()
                 try:
                     async with stream:
                         async for _ in stream:
@@ -126,6 +140,7 @@ async def _workload(
                     result.error = exc
                 finally:
                     run.inflight[stream.rank] -= 1
+                    show_inflight()
         if progress:
             progress.advance(task)
 
@@ -172,15 +187,21 @@ async def _run_against(
                     BarColumn,
                     MofNCompleteColumn,
                     Progress,
-                    TimeElapsedColumn,
+                    TextColumn,
+                    TimeRemainingColumn,
                 )
 
+                # transient: the summary's figures replace the live ones once done
                 with Progress(
                     "[progress.description]{task.description}",
                     BarColumn(),
                     MofNCompleteColumn(),
-                    TimeElapsedColumn(),
+                    _rate_column(),
+                    TextColumn("{task.fields[inflight]} in flight"),
+                    TextColumn("ETA"),
+                    TimeRemainingColumn(compact=True),
                     console=console,
+                    transient=True,
                 ) as progress:
                     await _workload(group, args, run, progress)
             else:
@@ -188,6 +209,52 @@ async def _run_against(
             run.ended = trio.current_time()
     except HandshakeTimeout as exc:
         run.connect_error = exc
+
+
+def _rate_column() -> Any:
+    """A progress column: completed requests per second (rich's recent-window estimate)."""
+    from rich.progress import ProgressColumn, Task
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            text = "-- req/s" if speed is None else f"{speed:.1f} req/s"
+            return Text(text, style="progress.data.speed")
+
+    return RateColumn()
+
+
+@dataclass(frozen=True)
+class ErrorGroup:
+    """Requests that failed the same way (`error_groups`)."""
+
+    error: str
+    """The error class and its message, the request id in it replaced by `<id>`."""
+    count: int
+    example: str
+    """The id of one request that failed so."""
+
+
+def normalized_error(error: BaseException, request_id: str) -> str:
+    """`Class: message` with the request's id, quoted as zmqdp's error messages quote it,
+    replaced by `<id>`: the same cause reads the same whatever the request. Ranks stay:
+    a different rank is a different cause."""
+    return f"{type(error).__name__}: {str(error).replace(quote(request_id), '<id>')}"
+
+
+def error_groups(results: Iterable[Result]) -> list[ErrorGroup]:
+    """The failed requests grouped by `normalized_error`, most frequent first (then in
+    order of first occurrence), each with a count and one example request."""
+    counts: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    for r in results:
+        if r.error is None:
+            continue
+        key = normalized_error(r.error, r.id)
+        counts[key] += 1
+        examples.setdefault(key, r.id)
+    return [ErrorGroup(key, n, examples[key]) for key, n in counts.most_common()]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -224,12 +291,18 @@ def verdict(args: argparse.Namespace, run: Run) -> tuple[bool, str]:
     )
 
 
+MAX_ERROR_ROWS = 8
+
+
 def report(args: argparse.Namespace, run: Run, console: Any) -> bool:
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     ok, why = verdict(args, run)
+    why = escape(why)
     if run.connect_error is not None:
-        console.print(f"[bold]connect:[/bold] {run.connect_error}")
+        console.print(f"[bold]connect:[/bold] {escape(str(run.connect_error))}")
         console.print(f"[bold {'green' if ok else 'red'}]{'OK' if ok else 'FAILED'}[/]: {why}")
         return ok
     done = [r for r in run.results if r.error is None]
@@ -250,9 +323,13 @@ def report(args: argparse.Namespace, run: Run, console: Any) -> bool:
         ),
     )
     summary.add_row("requests", f"{len(done)} completed, {len(run.results) - len(done)} failed")
-    summary.add_row("wall time", f"{elapsed:.2f} s")
+    summary.add_row("run time", f"{elapsed:.2f} s, from the first request to the last result")
     summary.add_row("requests/s", f"{len(done) / elapsed:.1f}")
-    summary.add_row("tokens/s", f"{tokens / elapsed:,.0f}")
+    summary.add_row(
+        "tokens/s",
+        f"{tokens / elapsed:,.0f} (simulated: the mock engines emit one token per request "
+        f"every --step-time {args.step_time:g} s, not a model's speed)",
+    )
     summary.add_row(
         "TTFT p50 / p99", f"{_pct(ttft, 0.5) * 1e3:.1f} / {_pct(ttft, 0.99) * 1e3:.1f} ms"
     )
@@ -267,27 +344,94 @@ def report(args: argparse.Namespace, run: Run, console: Any) -> bool:
         toks = sum(r.tokens for r in run.results if r.rank == rank)
         ranks.add_row(str(rank), str(run.per_rank[rank]), f"{toks:,}", str(run.peak[rank]))
     console.print(ranks)
-    errors = Counter(f"{type(r.error).__name__}: {r.error}" for r in run.results if r.error)
-    if errors:
-        table = Table(title="errors")
+    groups = error_groups(run.results)
+    if groups:
+        table = Table(title="errors, by cause (<id>: each request's own id)")
         table.add_column("count", justify="right")
-        table.add_column("error")
-        for text, count in errors.most_common(8):
-            table.add_row(str(count), text[:110])
+        table.add_column("error", overflow="fold")
+        table.add_column("e.g.", overflow="fold")
+        for group in groups[:MAX_ERROR_ROWS]:
+            table.add_row(str(group.count), Text(group.error), Text(group.example))
+        if len(groups) > MAX_ERROR_ROWS:
+            rest = groups[MAX_ERROR_ROWS:]
+            table.add_row(
+                str(sum(g.count for g in rest)), Text(f"... {len(rest)} other cause(s)"), ""
+            )
         console.print(table)
     console.print(f"[bold {'green' if ok else 'red'}]{'OK' if ok else 'FAILED'}[/]: {why}")
     return ok
+
+
+class ConsoleLog(logging.Handler):
+    """zmqdp's warnings during the demo, labelled with their logger, printed on the
+    demo's console (above the progress bar, which rich keeps at the bottom) rather than
+    bare by Python's last-resort handler; counted for the note after the summary."""
+
+    def __init__(self, console: Any) -> None:
+        super().__init__(logging.WARNING)
+        self.console = console
+        self.count = 0
+        self.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from rich.text import Text
+
+            self.console.print(Text(self.format(record), style="dim"))
+            self.count += 1
+        except Exception:  # pragma: no cover - logging must not raise
+            self.handleError(record)
+
+
+FAULT_NOTES = {
+    "rejoin": "the mock rank closes its connection and says HELLO again, as a restarted "
+    "engine does; the client cannot tell that from an engine that exited, so it declares "
+    "the rank dead, fails its requests, and takes it back at its HELLO",
+    "dead": "the mock rank announces itself dead",
+    "silent": "the mock rank stops sending; the client declares it dead when its "
+    "liveness deadline passes",
+    "garbage": "the mock rank sends an undecodable message",
+    "bad_hello": "the mock rank says a wrong size in its HELLO",
+}
+
+
+def fault_note(args: argparse.Namespace, warnings: int) -> str | None:
+    """The line after the summary that says the warnings above are the planned fault."""
+    if not warnings or args.fault is None:
+        return None
+    return (
+        f"note: the {warnings} zmqdp log line(s) above are the injected fault (--fault "
+        f"{args.fault} on rank {args.fault_rank}) as the client sees it: "
+        f"{FAULT_NOTES.get(args.fault, 'a planned fault')}"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         from rich.console import Console
     except ImportError:  # pragma: no cover
-        print("the demo needs rich: pip install 'zmqdp[demo]'", file=sys.stderr)
+        print(
+            "the demo needs rich, in the demo extra: pip install -e '.[demo]' in the "
+            "clone, or pip install '/path/to/zmqdp[demo]' (README.md, Install)",
+            file=sys.stderr,
+        )
         return 2
     console = Console()
-    start = time.perf_counter()
-    run = trio.run(run_demo, args, console)
-    ok = report(args, run, console)
-    console.print(f"[dim]demo finished in {time.perf_counter() - start:.1f} s[/dim]")
+    handler = ConsoleLog(console)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    if not root.handlers[:-1]:  # nobody configured logging: warnings and worse
+        root.setLevel(logging.WARNING)
+    try:
+        run = trio.run(run_demo, args, console)
+        ok = report(args, run, console)
+        note = fault_note(args, handler.count)
+        if note is not None:
+            from rich.text import Text
+
+            console.print(Text(note, style="dim"))
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
     return 0 if ok else 1

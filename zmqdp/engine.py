@@ -4,7 +4,7 @@
 from zmqdp.engine import connect_engine, Add, Abort, Wake, Call, Resync
 from zmqdp.engine import OutputBatch, Output, Load
 
-async with connect_engine("ipc:///run/zmqdp/g1", rank=0, size=2, info={"model": "m"}) as eng:
+async with connect_engine("ipc:///tmp/zmqdp-g1/g", rank=0, size=2, info={"model": "m"}) as eng:
     async for msg in eng:
         if isinstance(msg, Add):
             await eng.send(OutputBatch(rank=eng.rank, outputs=(Output(msg.id, "hi", "stop"),)))

@@ -6,9 +6,14 @@ Run it as `python -m zmqdp mock --url URL --engines N [--lockstep] ...`, or embe
 Theory of operation
 -------------------
 Each rank streams tokens: an ADD body ``{"prompt": [int, ...], "max_tokens": k}`` queues
-a request; each step every running request emits one token (``{"token": 1000 + n}``, n
-from 1) and the last one has finish ``"length"``. A ``"tag"`` in the body is echoed in
-every output, so a test can check that no output reaches another request. At most
+a request (`prompt` defaults to ``[]``, `max_tokens` to 16); each step every running
+request emits one token (``{"token": 1000 + n}``, n from 1) and the last one has finish
+``"length"``. A ``"tag"`` in the body is echoed in every output, so a test can check that
+no output reaches another request. A body the mock cannot serve (not a map, a `prompt`
+that is not a list of ints, a `max_tokens` that is not an int >= 1) ends that request
+alone, at once, with one terminal output: finish ``"error"`` and body
+``{"error": "'max_tokens' must be ..."}`` naming the field (as a vLLM engine fails a
+request it refuses: an ``"error"`` finish with the reason); the rank serves on. At most
 `max_num_seqs` requests run at once; the rest wait. Every batch
 carries `load` (waiting, running, kv) and `seq`. Step time is per rank, so speeds can
 differ, and a rank holding requests sends a batch at least once a second.
@@ -32,16 +37,18 @@ of the old incarnation: the rank drops its requests and its per-incarnation stat
 rank keeps `eng.wave` current, so that the HELLO after a RESYNC reports its wave.
 
 Faults are injected per rank (`RankFaults`): announce `dead`, go silent, send garbage
-bodies, rejoin (a new incarnation that says HELLO again) after k outputs, run slower,
-or say a wrong field in HELLO. CALL methods: `ping`, `info`, `echo`. `dead`, `silent`
-and `garbage` fire once per rank: a rank that announced `dead` ignores everything until
-a RESYNC, a silent one sends nothing until a RESYNC, and then both serve again, as a
-restarted engine would (an independent client RESYNCs a rank it declared dead).
+bodies, rejoin (a new incarnation that says HELLO again) every k outputs (at most
+`rejoins` times, if set), run slower, or say a wrong field in HELLO. CALL methods:
+`ping`, `info`, `echo`. `dead`, `silent` and `garbage` fire once per rank: a rank that
+announced `dead` ignores everything until a RESYNC, a silent one sends nothing until a
+RESYNC, and then both serve again, as a restarted engine would (an independent client
+RESYNCs a rank it declared dead).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import subprocess
 import sys
 from collections import deque
@@ -52,7 +59,7 @@ from typing import Any
 
 import trio
 
-from ._core.errors import HandshakeRejected
+from ._core.errors import HandshakeRejected, quote
 from .engine import (
     Abort,
     Add,
@@ -68,7 +75,14 @@ from .engine import (
 )
 from .keys import load_engine_keys
 
-__all__ = ["MockConfig", "RankFaults", "mock_process", "run_mock_group"]
+__all__ = [
+    "MockConfig",
+    "MockRejected",
+    "RankFaults",
+    "mock_process",
+    "parse_body",
+    "run_mock_group",
+]
 
 log = logging.getLogger("zmqdp.mock")
 
@@ -80,7 +94,8 @@ class RankFaults:
     dead_after: int | None = None
     silent_after: int | None = None
     garbage: int = 0  # undecodable bodies sent once the rank first has work
-    rejoin_after: int | None = None
+    rejoin_after: int | None = None  # rejoin every k outputs of an incarnation
+    rejoins: int | None = None  # at most this many times (None: no limit)
     slow: float = 1.0  # step time multiplier
     bad_hello: str | None = None  # "size" | "lockstep": say it wrong in HELLO
 
@@ -99,6 +114,23 @@ class MockConfig:
     faults: dict[int, RankFaults] = field(default_factory=dict)
     keys: str | None = None  # a `zmqdp.keys` directory: connect with CURVE
     ranks: tuple[int, ...] | None = None  # run only these ranks (None: all of them)
+
+
+def parse_body(body: Any) -> tuple[int, int, Any]:
+    """An ADD body's (prompt length, max_tokens, tag); `ValueError` naming the field if
+    the mock cannot serve it."""
+    if not isinstance(body, dict):
+        raise ValueError(
+            'the body must be a map {"prompt": [int, ...], "max_tokens": k}, '
+            f"got {type(body).__name__}"
+        )
+    prompt = body.get("prompt", [])
+    if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+        raise ValueError(f"'prompt' must be a list of token ids (ints), got {quote(prompt)}")
+    tokens = body.get("max_tokens", 16)
+    if type(tokens) is not int or tokens < 1:
+        raise ValueError(f"'max_tokens' must be an int >= 1, got {quote(tokens)}")
+    return len(prompt), tokens, body.get("tag")
 
 
 @dataclass
@@ -153,7 +185,8 @@ class MockRank:
         self.delay = rank * cfg.skew
         self.curve = None if cfg.keys is None else load_engine_keys(cfg.keys, rank)
         self.delayed: deque[tuple[float, Any]] = deque()
-        self.up = trio.Event()
+        self.up = trio.Event()  # set once connected, or rejected (`rejected`)
+        self.rejected: str | None = None  # why the client rejected this rank
         self.wave = 0
         self.running = False
         self.emitted = 0
@@ -172,6 +205,7 @@ class MockRank:
         self.queue: deque[_Seq] = deque()
         self.finished: list[str] = []
         self.replies: list[Reply] = []
+        self.refused: list[Output] = []  # "error" outputs of bodies the mock cannot serve
         self.pending_start: int | None = None
         self.silent = False  # the silent fault fired: send nothing
         self.zombie = False  # the dead fault fired: ignore everything but a RESYNC
@@ -195,11 +229,18 @@ class MockRank:
                     wave=self.wave,
                     info=self._info(),
                     curve=self.curve,
+                    # a mock waits for its client as long as it takes: it may be started
+                    # first, and said so ("waiting for a client")
+                    handshake_timeout=math.inf,
                 ) as eng:
                     self.up.set()
                     rejoin = await self._serve(eng)
             except HandshakeRejected as exc:
-                log.error("rank %d: %s", self.rank, exc)
+                # settled, but not up: `run_mock_group` reports it (an error if no rank
+                # is up), rather than counting it among the ranks that serve
+                self.rejected = rejection(exc)
+                if self.up.is_set():  # on a rejoin; a first rejection is reported there
+                    log.error("%s", self.rejected)
                 self.up.set()
                 return
             if not rejoin:
@@ -282,18 +323,18 @@ class MockRank:
         if self.zombie and not isinstance(msg, Resync):
             return  # announced dead: a dead engine does nothing
         if isinstance(msg, Add):
-            body = msg.body if isinstance(msg.body, dict) else {}
-            prompt = body.get("prompt", [])
-            tokens = int(body.get("max_tokens", 16))
-            self.queue.append(
-                _Seq(
-                    msg.id,
-                    tokens,
-                    0,
-                    len(prompt) if isinstance(prompt, list) else 0,
-                    body.get("tag"),
-                )
-            )
+            try:
+                prompt, tokens, tag = parse_body(msg.body)
+            except ValueError as exc:  # that request alone ends, with an "error" finish
+                log.info("rank %d: request %s refused: %s", self.rank, quote(msg.id), exc)
+                out: dict[str, Any] = {"error": str(exc)}
+                if isinstance(msg.body, dict) and "tag" in msg.body:
+                    out["tag"] = msg.body["tag"]  # echoed, as in every output
+                self.refused.append(Output(msg.id, out, "error"))
+            else:
+                self.queue.append(_Seq(msg.id, tokens, 0, prompt, tag))
+            # an ADD while parked reports start_wave even if it is refused: the rank
+            # cannot know whether the client counts on it (§5)
             if self.collective is not None and not self.running:
                 self.pending_start = self.wave
                 if self.cfg.self_wake:
@@ -344,17 +385,23 @@ class MockRank:
             await eng.send(batch)
 
     async def _flush_control(self, eng: Engine) -> None:
-        """Send what the inbox produced: start_wave, finished, replies."""
-        if self.pending_start is None and not self.finished and not self.replies:
+        """Send what the inbox produced: refused requests, start_wave, finished, replies."""
+        if (
+            self.pending_start is None
+            and not self.finished
+            and not self.replies
+            and not self.refused
+        ):
             return
         batch = OutputBatch(
             self.rank,
+            outputs=tuple(self.refused),
             finished=tuple(self.finished),
             replies=tuple(self.replies),
             start_wave=self.pending_start,
             load=self._load(),
         )
-        self.finished, self.replies, self.pending_start = [], [], None
+        self.finished, self.replies, self.refused, self.pending_start = [], [], [], None
         await self._send(eng, batch)
 
     async def _step(self, eng: Engine) -> bool:
@@ -396,14 +443,36 @@ class MockRank:
             self.running = False
             return False
         return bool(
-            f.rejoin_after is not None and self.emitted >= f.rejoin_after * self.incarnation
+            f.rejoin_after is not None
+            and self.emitted >= f.rejoin_after * self.incarnation
+            and (f.rejoins is None or self.incarnation <= f.rejoins)
         )
 
 
+class MockRejected(Exception):
+    """The client rejected every rank of the mock (`run_mock_group`): one line saying
+    which ranks, the client's reason and what to do."""
+
+
+def rejection(exc: HandshakeRejected) -> str:
+    """One line for a rank the client rejected: the client's reason names the rank
+    already ("rank 0: HELLO says size 1, ..."), so it is not said twice."""
+    reason = exc.reason
+    prefix = f"rank {exc.rank}: "
+    if reason.startswith(prefix):
+        reason = reason[len(prefix) :]
+    return f"rank {exc.rank}: the client rejected it: {reason}"
+
+
 async def run_mock_group(
-    url: str, cfg: MockConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    url: str,
+    cfg: MockConfig,
+    *,
+    task_status: trio.TaskStatus[tuple[int, ...]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the group until cancelled. `task_status.started()` once every rank is up."""
+    """Run the group until cancelled. `task_status.started(ranks)` once every rank is
+    up or rejected by the client, with the ranks that are up; `MockRejected` if the
+    client rejected them all (a mock of the wrong size or mode: nothing would serve)."""
     collective = _Collective(cfg.engines) if cfg.lockstep else None
     if cfg.ranks is not None and cfg.lockstep:
         raise ValueError("lockstep ranks step together: run them all in one process")
@@ -414,11 +483,25 @@ async def run_mock_group(
             nursery.start_soon(rank.run, name=f"zmqdp-mock-rank{rank.rank}")
         for rank in ranks:
             await rank.up.wait()
-        task_status.started()
+        up = tuple(rank.rank for rank in ranks if rank.rejected is None)
+        if up:
+            for rank in ranks:
+                if rank.rejected is not None:
+                    log.error("%s; it does not serve", rank.rejected)
+            task_status.started(up)
+    # every rank was rejected (and so has returned): nothing serves
+    reasons = [rank.rejected for rank in ranks if rank.rejected is not None]
+    more = f" (and {len(reasons) - 1} more rank(s) likewise)" if len(reasons) > 1 else ""
+    raise MockRejected(
+        f"{reasons[0]}{more}; no rank is up. Start the mock to match the client: "
+        "--engines N for EngineGroup.connect(url, N), and --lockstep only for a lockstep "
+        "group"
+    )
 
 
 def parse_fault(text: str) -> tuple[int, RankFaults]:
-    """`RANK:KIND[=N]`, e.g. `1:dead=20`, `0:slow=3`, `1:bad_hello=size`."""
+    """`RANK:KIND[=N]`, e.g. `1:dead=20`, `0:slow=3`, `1:bad_hello=size`; `1:rejoin=40`
+    with `1:rejoins=1` (merged by `merge_faults`) rejoins once, after 40 outputs."""
     rank_text, _, rest = text.partition(":")
     kind, _, value = rest.partition("=")
     rank = int(rank_text)
@@ -427,6 +510,7 @@ def parse_fault(text: str) -> tuple[int, RankFaults]:
         "silent": lambda v: RankFaults(silent_after=int(v or 10)),
         "garbage": lambda v: RankFaults(garbage=int(v or 3)),
         "rejoin": lambda v: RankFaults(rejoin_after=int(v or 10)),
+        "rejoins": lambda v: RankFaults(rejoins=int(v or 1)),
         "slow": lambda v: RankFaults(slow=float(v or 3)),
         "bad_hello": lambda v: RankFaults(bad_hello=v or "size"),
     }

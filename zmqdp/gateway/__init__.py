@@ -1,7 +1,7 @@
 """An OpenAI-compatible `/v1/completions` HTTP gateway over an engine group.
 
     from zmqdp.gateway import create_app
-    app = create_app("ipc:///run/zmqdp/g1", engines=4, max_inflight="info")
+    app = create_app("ipc:///tmp/zmqdp-g1/g", engines=4, max_inflight="info")
 
 `app` is a plain ASGI application. Serve it with hypercorn's trio worker (the group is
 an `EngineGroup`) or with uvicorn (asyncio: `zmqdp.aio.AsyncioEngineGroup`); the

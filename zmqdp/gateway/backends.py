@@ -415,6 +415,7 @@ def mock_command(url: str, config: MockConfig) -> Sequence[str]:
             ("silent", "silent_after"),
             ("garbage", "garbage"),
             ("rejoin", "rejoin_after"),
+            ("rejoins", "rejoins"),
             ("slow", "slow"),
             ("bad_hello", "bad_hello"),
         ):

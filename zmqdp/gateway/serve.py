@@ -2,7 +2,7 @@
 (asyncio), with SIGTERM draining.
 
     python -m zmqdp serve --mock                       # an embedded mock group of 2
-    python -m zmqdp serve --url ipc:///run/g1 --engines 4 --max-inflight info
+    python -m zmqdp serve --url ipc:///tmp/zmqdp-g1/g --engines 4 --max-inflight info
 
 Signals, the same on both servers:
 
@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -47,7 +49,7 @@ from .app import (
     create_app,
 )
 
-__all__ = ["add_arguments", "banner", "run", "serve_hypercorn", "serve_uvicorn"]
+__all__ = ["add_arguments", "banner", "listen_problem", "run", "serve_hypercorn", "serve_uvicorn"]
 
 log = logging.getLogger("zmqdp.gateway")
 
@@ -400,6 +402,68 @@ def serve_uvicorn(
 # -- the command ------------------------------------------------------------------------
 
 
+_BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL})
+"""What a server's bind raises for a busy port or a host that is not this machine's."""
+
+
+def _where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _bind_advice(host: str, port: int, error: OSError) -> str:
+    """One line: why the server cannot listen on host:port, and what to do."""
+    where = _where(host, port)
+    if error.errno == errno.EADDRINUSE:
+        return (
+            f"cannot listen on {where}: the port is in use (another server?); choose "
+            "another --port, or --port 0 for any free port"
+        )
+    if error.errno == errno.EACCES:
+        return (
+            f"cannot listen on {where}: permission denied (ports below 1024 need "
+            "privileges); choose another --port, or --port 0 for any free port"
+        )
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"cannot listen on {where}: {host} is not an address of this machine; use "
+            "--host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)"
+        )
+    reason = error.strerror or str(error)
+    return f"cannot listen on {where}: {reason}; check --host and --port"
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on `host:port` (one line naming it and a next step),
+    or None if it can. It binds a socket there as hypercorn and uvicorn do (IPv6 if the
+    host has a colon, SO_REUSEADDR) and closes it at once: checked before the engine
+    group connects, which can take a while, rather than after. Port 0 (any free port)
+    always can."""
+    if port == 0:
+        return None
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((bare, port))
+    except OSError as exc:  # socket.gaierror too: a host name that does not resolve
+        return _bind_advice(bare, port, exc)
+    return None
+
+
+def _bind_error(error: BaseException) -> OSError | None:
+    """The server's failed bind, if that is what `error` (a group, nested or not) is."""
+    if isinstance(error, OSError):
+        return error if error.errno in _BIND_ERRNOS else None
+    if isinstance(error, BaseExceptionGroup):
+        matched, rest = error.split(lambda e: isinstance(e, OSError) and e.errno in _BIND_ERRNOS)
+        if matched is not None and rest is None:
+            leaf = _first_leaf(matched)
+            assert isinstance(leaf, OSError)
+            return leaf
+    return None
+
+
 def _first_leaf(error: BaseException) -> BaseException:
     """The first exception of a (nested) group that is not a group."""
     while isinstance(error, BaseExceptionGroup):
@@ -410,6 +474,10 @@ def _first_leaf(error: BaseException) -> BaseException:
 def run(args: argparse.Namespace) -> int:
     """`python -m zmqdp serve ...`."""
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
+    problem = listen_problem(args.host, args.port)
+    if problem is not None:  # before the group connects: one line, no traceback
+        print(f"zmqdp serve: {problem}", file=sys.stderr)
+        return 1
     app = app_from_args(args)
     if args.server == "uvicorn":
         try:
@@ -436,8 +504,16 @@ def run(args: argparse.Namespace) -> int:
     except LifespanFailureError as exc:
         print(f"zmqdp serve: {exc}", file=sys.stderr)
         return 1
-    except BaseExceptionGroup as group:
-        failed, rest = group.split(LifespanFailureError)
+    except (OSError, BaseExceptionGroup) as error:
+        # The port was taken between `listen_problem` and hypercorn's own bind (which
+        # comes after the group connected): the same one line, not the nested groups.
+        bind = _bind_error(error)
+        if bind is not None:
+            print(f"zmqdp serve: {_bind_advice(args.host, args.port, bind)}", file=sys.stderr)
+            return 1
+        if not isinstance(error, BaseExceptionGroup):
+            raise
+        failed, rest = error.split(LifespanFailureError)
         if failed is None or rest is not None:
             raise
         print(f"zmqdp serve: {_first_leaf(failed)}", file=sys.stderr)
