@@ -5,6 +5,12 @@ the same process, in rounds that alternate between the two (the median of each s
 kept); absolute numbers are printed as context only. Each script can be run on its own
 (`python benchmarks/bench_x.py [--quick]`) or by `benchmarks/run_all.py`, which collects
 the rows each script saved under `benchmarks/results/` into `benchmarks/RESULTS.md`.
+
+Where a run writes (`outputs()`): a full run saves its rows in `benchmarks/results/`
+(untracked) and its plots in `benchmarks/plots/` (tracked, the ones RESULTS.md links);
+a `--quick` run writes rows, plots and its table under `benchmarks/results/quick/`
+(untracked), so a smoke run never touches the tracked figures; `ZMQDP_BENCH_DIR=DIR`
+puts everything under DIR (the test suite's smoke run).
 """
 
 from __future__ import annotations
@@ -13,15 +19,44 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-_OUT = Path(os.environ.get("ZMQDP_BENCH_DIR") or HERE)  # the smoke test writes elsewhere
-RESULTS = _OUT / "results"
-PLOTS = _OUT / "plots"
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where a run writes: its rows (JSON), its plots and `run_all.py`'s table."""
+
+    results: Path
+    plots: Path
+    report: Path
+    tracked: bool
+    """True only for a full run into the checkout (RESULTS.md and plots/ are in git)."""
+
+
+def outputs(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, here: Path = HERE
+) -> Outputs:
+    """The places of this run: `ZMQDP_BENCH_DIR` if set, else benchmarks/results/quick/
+    for a `--quick` run (untracked), else benchmarks/ itself (a full run)."""
+    argv = sys.argv[1:] if argv is None else argv
+    env = os.environ if env is None else env
+    if env.get("ZMQDP_BENCH_DIR"):
+        base = Path(env["ZMQDP_BENCH_DIR"])
+        return Outputs(base / "results", base / "plots", base / "RESULTS.md", tracked=False)
+    if "--quick" in argv:
+        quick = here / "results" / "quick"
+        return Outputs(quick, quick / "plots", quick / "RESULTS.md", tracked=False)
+    return Outputs(here / "results", here / "plots", here / "RESULTS.md", tracked=True)
+
+
+OUTPUTS = outputs()
+RESULTS = OUTPUTS.results
+PLOTS = OUTPUTS.plots
 sys.path.insert(0, str(HERE.parent))  # `zmqdp` from this checkout, `tests` helpers
 
 
@@ -68,7 +103,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> None:
-    """Print the rows and save them for `run_all.py`."""
+    """Print the rows and save them in `RESULTS` (`outputs()`) for `run_all.py`."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     data = {"rows": [asdict(r) for r in rows], "extra": extra or {}}
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
@@ -79,7 +114,7 @@ def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> Non
 
 
 def plot(name: str, draw: Callable[[Any], None], title: str) -> Path | None:
-    """Draw with matplotlib (the `bench` extra) into `benchmarks/plots/<name>.png`."""
+    """Draw with matplotlib (the `bench` extra) into `PLOTS/<name>.png` (`outputs()`)."""
     try:
         import matplotlib
 

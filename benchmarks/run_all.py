@@ -1,18 +1,25 @@
 """Run every benchmark and write the results table.
 
-    .venv/bin/python benchmarks/run_all.py [--quick] [--table-only] [--out benchmarks/RESULTS.md]
+    .venv/bin/python benchmarks/run_all.py [--quick] [--table-only] [--out FILE]
 
 (`python3 dev.py bench` does this in the project's virtualenv, with the `bench` extra.)
 Each script runs in a process of its own and saves its rows under benchmarks/results/;
 this collects them into a markdown table (one row per figure of the performance issue:
 the ratio, its target, whether it is met, and the absolute numbers behind it) and lists
-the plots. `--quick` runs short versions, for a smoke test; their figures are noisier.
+the plots.
+
+Only a full run in which every script succeeded (or `--table-only`) writes the tracked
+benchmarks/RESULTS.md. `--quick` runs short versions, for a smoke test (their figures
+are noisier), and writes rows, plots and table under benchmarks/results/quick/ (not
+tracked); a full run with a failed script writes its table to
+benchmarks/results/RESULTS.md (not tracked). The file written is printed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -21,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _harness import PLOTS, RESULTS, Row  # noqa: E402
+from _harness import OUTPUTS, PLOTS, RESULTS, Row  # noqa: E402
 
 SCRIPTS = [
     "bench_p1_delivery.py",
@@ -77,7 +84,7 @@ def run(quick: bool) -> list[str]:
     return failed
 
 
-def table(quick: bool) -> str:
+def table(quick: bool, out: Path) -> str:
     rows = {}
     for path in sorted(RESULTS.glob("*.json")):
         for row in json.loads(path.read_text())["rows"]:
@@ -102,26 +109,46 @@ def table(quick: bool) -> str:
             f"{'' if met is None else 'yes' if met else 'no'} | {ISSUE.get(key, '')} | "
             f"{r['context']} |"
         )
-    plots = sorted(p.name for p in PLOTS.glob("*.png"))
-    lines += ["", "Plots: " + ", ".join(f"[{p}](plots/{p})" for p in plots), ""]
+    plots = sorted(PLOTS.glob("*.png"))
+    links = [f"[{p.name}]({Path(os.path.relpath(p, out.parent)).as_posix()})" for p in plots]
+    lines += ["", "Plots: " + ", ".join(links), ""]
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where to write the table (default: benchmarks/RESULTS.md after a complete "
+        "full run, benchmarks/results/quick/RESULTS.md with --quick)",
+    )
     parser.add_argument(
         "--table-only", action="store_true", help="rebuild the table from the saved results"
     )
     args = parser.parse_args()
     failed = [] if args.table_only else run(args.quick)
-    text = table(args.quick)
-    args.out.write_text("# Benchmark results\n\n" + text)
+    out = args.out or report_path(failed)
+    text = table(args.quick, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("# Benchmark results\n\n" + text)
     print(text)
     if failed:
         print(f"FAILED: {', '.join(failed)}")
+    print(f"table: {out}; rows: {RESULTS}; plots: {PLOTS}")
+    if args.out is None and not OUTPUTS.tracked:
+        print("(the tracked benchmarks/RESULTS.md and plots/ are left alone)")
+    elif args.out is None and failed:
+        print("(a partial run: the tracked benchmarks/RESULTS.md is left alone)")
     return 1 if failed else 0
+
+
+def report_path(failed: list[str]) -> Path:
+    """The tracked RESULTS.md only for a full run in which every script succeeded."""
+    if OUTPUTS.tracked and failed:
+        return RESULTS / "RESULTS.md"
+    return OUTPUTS.report
 
 
 if __name__ == "__main__":

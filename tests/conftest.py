@@ -14,6 +14,16 @@ in tasks of their own, so a cancel scope opened by a fixture would not cover the
 the limit is put around the test function itself, at collection time (the wrapper
 replaces `item.obj` before pytest-trio wraps that in its runner). It covers the test's
 body, not the setup and teardown of its async fixtures.
+
+Optional extras: a test module that cannot be imported because a package of one of
+zmqdp's extras (pyproject.toml's ``[project.optional-dependencies]``: ``gateway``,
+``vllm``, ``demo``, ``bench``) is not installed is *skipped*, with a reason naming the
+extra and the ``pip install`` that brings it, instead of failing the collection (so
+``pip install -e .[test]`` then ``pytest`` works). Any other import error still fails.
+``python3 dev.py check`` installs every extra, so nothing is skipped there. A test that
+needs an extra only at run time says so itself: ``pytest.importorskip`` in a sync test,
+``@pytest.mark.skipif(find_spec(...) is None, ...)`` on an async one (a skip raised
+inside trio loses its reason).
 """
 
 from __future__ import annotations
@@ -21,7 +31,10 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Awaitable, Callable, Iterator
+import re
+import tomllib
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,6 +93,51 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         seconds = DEFAULT_TIMEOUT_S if marker is None else float(marker.args[0])
         item.obj = _under_time_limit(item.obj, seconds)
+
+
+def _extras_by_module() -> dict[str, str]:
+    """Top-level module name -> the extra(s) of pyproject.toml that install it.
+
+    A distribution's module is taken to be its normalized name (`prometheus-client` ->
+    `prometheus_client`, `Jinja2` -> `jinja2`), which holds for every extra zmqdp has.
+    """
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"].get("optional-dependencies", {})
+    found: dict[str, list[str]] = {}
+    for extra, requirements in extras.items():
+        for requirement in requirements:
+            name = re.match(r"[A-Za-z0-9._-]+", requirement)
+            if name is not None:
+                module = name.group().lower().replace("-", "_")
+                found.setdefault(module, []).append(extra)
+    return {module: ",".join(names) for module, names in found.items()}
+
+
+EXTRA_OF = _extras_by_module()
+
+
+class _ModuleNeedingExtras(pytest.Module):
+    """A test module whose import fails for want of an extra is skipped, saying which."""
+
+    def collect(self) -> Iterable[pytest.Item | pytest.Collector]:
+        try:
+            self.obj  # noqa: B018 - imports the module (pytest caches it)
+        except pytest.Collector.CollectError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ModuleNotFoundError) and cause.name:
+                top = cause.name.partition(".")[0]
+                extra = EXTRA_OF.get(top)
+                if extra is not None:
+                    pytest.skip(
+                        f"{self.nodeid} needs the {extra} extra ({top} is not installed): "
+                        f"pip install -e '.[{extra}]'"
+                    )
+            raise
+        return super().collect()
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module:
+    return _ModuleNeedingExtras.from_parent(parent, path=module_path)
 
 
 @pytest.fixture

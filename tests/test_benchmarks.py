@@ -4,15 +4,21 @@ performance is measured by the scripts, never asserted by tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def test_every_benchmark_runs_and_reports_its_rows(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the bench extra: pip install -e '.[bench]'")
+    pytest.importorskip("hypercorn", reason="the gateway extra: pip install -e '.[gateway]'")
     out = tmp_path / "RESULTS.md"
     env = {**os.environ, "ZMQDP_BENCH_DIR": str(tmp_path)}
     run = subprocess.run(
@@ -31,3 +37,44 @@ def test_every_benchmark_runs_and_reports_its_rows(tmp_path: Path) -> None:
     for row in rows:
         assert f"| {row} |" in text and f"| {row} | (not run)" not in text, row
     assert len(list((tmp_path / "plots").glob("*.png"))) >= 5
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # run_all imports _harness by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_a_full_run_writes_the_tracked_results(tmp_path: Path) -> None:
+    """`dev.py bench --quick` must not overwrite benchmarks/RESULTS.md and plots/ (issue 23)."""
+    harness = _load("_harness")
+    here = tmp_path / "benchmarks"
+    full = harness.outputs([], {}, here)
+    assert full.tracked
+    assert (full.results, full.plots, full.report) == (
+        here / "results",
+        here / "plots",
+        here / "RESULTS.md",
+    )
+    quick = harness.outputs(["--quick", "--rounds", "2"], {}, here)
+    assert not quick.tracked
+    for path in (quick.results, quick.plots, quick.report):
+        assert path.is_relative_to(here / "results" / "quick")  # results/ is ignored
+    ignored = (BENCHMARKS.parent / ".gitignore").read_text().split()
+    assert "benchmarks/results/" in ignored
+    smoke = harness.outputs(["--quick"], {"ZMQDP_BENCH_DIR": str(tmp_path)}, here)
+    assert (smoke.results, smoke.plots, smoke.report) == (
+        tmp_path / "results",
+        tmp_path / "plots",
+        tmp_path / "RESULTS.md",
+    )
+
+    run_all = _load("run_all")
+    run_all.OUTPUTS, run_all.RESULTS = full, full.results
+    assert run_all.report_path([]) == here / "RESULTS.md"
+    assert run_all.report_path(["bench_p2_submit.py"]) == here / "results" / "RESULTS.md"
+    run_all.OUTPUTS = quick
+    assert run_all.report_path([]) == quick.report

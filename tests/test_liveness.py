@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,9 @@ async def test_a_restarted_rank_rejoins_without_restarting_the_client(
             assert group.health().ranks_up == 2
 
 
+@pytest.mark.skipif(
+    find_spec("hypercorn") is None, reason="the gateway extra: pip install -e '.[gateway]'"
+)
 @pytest.mark.timeout_s(60)
 async def test_the_gateways_ready_follows_a_killed_engine_without_a_request(
     tmp_path: Path,
