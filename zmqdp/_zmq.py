@@ -601,8 +601,10 @@ def heartbeat(sock: zmq.Socket[bytes], interval: float | None, timeout: float) -
     """ZMTP heartbeats on every connection of `sock` (libzmq answers a PING in its I/O
     thread, whatever the engine's own code is doing): a peer that sends nothing, not
     even a PONG, for `timeout` s after a PING is disconnected, which its `Monitor`
-    reports. The TTL asks the peer to drop the connection too if it stops hearing from
-    us. `interval` None: no heartbeats. Only for a socket whose receive queue does not
+    reports. No TTL is sent: it would ask every engine to drop us when *we* are late
+    (a gateway starved of CPU for 3 s on an overloaded host lost every rank of an MoE
+    group at once that way), and an engine gains nothing from it (its sockets reconnect).
+    `interval` None: no heartbeats. Only for a socket whose receive queue does not
     fill: libzmq stops reading a peer whose queue is full, its PONGs with it, and would
     drop a live connection (and what it had queued)."""
     handshake_deadline(sock, timeout)
@@ -611,7 +613,6 @@ def heartbeat(sock: zmq.Socket[bytes], interval: float | None, timeout: float) -
     ms = max(1, round(timeout * 1000))
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(interval * 1000)))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, ms)))
 
 
 def handshake_deadline(sock: zmq.Socket[bytes], timeout: float) -> None:

@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ready-timeout", type=float, default=60.0, help="wait for ranks, s")
     group.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="a rank silent this long (not even a ZMTP heartbeat) is dead, s; raise it on "
+        "an overloaded host (an MoE group's busy-waiting ranks can starve the gateway "
+        "of CPU for seconds)",
+    )
+    group.add_argument(
         "--keys",
         default=None,
         metavar="DIR",
@@ -176,6 +184,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
 
     options: dict[str, Any] = {
         "ready_timeout": args.ready_timeout,
+        "heartbeat_timeout": args.heartbeat_timeout,
         "recover": args.recover,
         "max_inflight": _max_inflight(args.max_inflight),
         "request_timeout": args.request_timeout,
