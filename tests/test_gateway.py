@@ -497,6 +497,7 @@ async def test_health_and_ready_while_serving() -> None:
         "size": 2,
         "inflight": 0,
         "room": None,
+        "recovering": False,
     }
 
 

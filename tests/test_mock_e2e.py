@@ -92,9 +92,14 @@ FAULTS = {
     "dead": (["--fault", "1:dead=5"], {}, "injected fault: dead_after"),
     "silent": (["--fault", "1:silent=5"], {"silence_timeout": 1.0}, "silent for"),
     "garbage": (["--fault", "1:garbage=3"], {}, "connection error"),
-    # a rejoining mock closes its connections first: the close or the HELLO, whichever
-    # the client sees first, ends the incarnation
-    "rejoin": (["--fault", "1:rejoin=5"], {}, r"said HELLO again \(rejoin\)|connection closed"),
+    # a rejoining mock closes its connections first: the close, the HELLO or the new
+    # incarnation's handshake (while the close of its output connection alone waits
+    # its grace), whichever the client sees first, ends the incarnation
+    "rejoin": (
+        ["--fault", "1:rejoin=5"],
+        {},
+        r"said HELLO again \(rejoin\)|connection closed|a new incarnation completed",
+    ),
 }
 TOKENS = 10
 """Tokens per request: more than rank 1 emits before any of its faults (5 outputs, or

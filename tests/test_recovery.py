@@ -85,6 +85,37 @@ async def test_native_failed_group_replaced_by_a_new_one_is_taken_back(
         await first.__aexit__(None, None, None)
 
 
+@pytest.mark.timeout_s(60)
+async def test_a_recovery_whose_rank_never_returns_ends_after_recover_timeout(
+    tmp_path: Path,
+) -> None:
+    """A lockstep group whose killed rank never comes back used to wait forever, live
+    (a gateway answered 503 while its /health said 200, so no liveness probe restarted
+    it). The wait now ends after `recover_timeout`: the group is closed for good,
+    naming the rank, and `health()` is not live. The request of the killed rank ends
+    with the plain cause, not with the loss of outputs of a live engine."""
+    url = f"ipc://{tmp_path}/g"
+    async with (
+        mock_process(url, 2, "--lockstep", "--step-time", "0.002") as proc,
+        EngineGroup.connect(url, 2, recover=True, recover_timeout=1.0) as group,
+    ):
+        async with group.submit(Request("doomed", body(10**6), rank=1)) as stream:
+            await stream.receive()
+            proc.kill()
+            # the first rank seen dead fails the group: EngineDead or GroupClosed
+            with trio.fail_after(5), pytest.raises((zmqdp.EngineDead, GroupClosed)) as caught:
+                async for _ in stream:
+                    pass
+        assert "may be lost" not in str(caught.value), caught.value
+        assert group.health().recovering
+        with trio.fail_after(10):
+            await wait_until(lambda: not group.health().live)
+        closed = group.closed
+        assert isinstance(closed, GroupClosed) and not isinstance(closed, GroupRecovering)
+        assert "did not complete a new handshake within recover_timeout=1 s" in str(closed)
+        assert not group.health().recovering
+
+
 @asynccontextmanager
 async def moe_fakes(url: str, **kw: Any) -> AsyncIterator[FakeVllmGroup]:
     fake = FakeVllmGroup(url, 2, moe=True, **kw)

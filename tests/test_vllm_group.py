@@ -582,3 +582,28 @@ async def test_a_native_request_on_vllms_wire_is_refused_before_anything_is_sent
         with pytest.raises(InvalidRequest, match="VllmRequest"):
             group.submit(Request("native", {"prompt": [1]}))  # type: ignore[arg-type]
         assert group.statistics().submitted == 0 and not fake.engines[0].got("add")
+
+
+async def test_a_message_on_a_ranks_socket_is_that_ranks_whatever_its_engine_index() -> None:
+    """Rank 1's engine (or whoever connects to rank 1's output socket) sends outputs
+    that say engine_index 0 and finish rank 0's live request with a forged token. They
+    used to be rank 0's. A message on rank r's socket is rank r's: it is counted
+    against rank 1, rank 0's request runs on untouched, and garbage on rank 1's
+    socket is counted against rank 1 too (it used to be counted against no rank)."""
+    async with vllm_group(2) as (group, fake):
+        async with group.submit(req("a", max_tokens=10**9, rank=0)) as stream:
+            await stream.receive()
+            (wire_id,) = fake.engines[0].requests
+            forged = output_entry(wire_id, [999], 0)  # FinishReason.STOP
+            fake.engines[1].send_raw([outputs_message(0, [forged])])
+            await wait_until(lambda: group.statistics().ranks[1].protocol_errors == 1)
+            fake.engines[1].send_raw([b"\xc1 not msgpack"])
+            await wait_until(lambda: group.statistics().ranks[1].protocol_errors == 2)
+            for _ in range(3):  # rank 0's own outputs go on; the forged one never came
+                out = await stream.receive()
+                assert out.finish is None and 999 not in out.body.token_ids
+        stats = group.statistics()
+        assert stats.ranks[0].protocol_errors == 0
+        assert all(group.rank_state(r).value is RankState.UP for r in (0, 1))
+        tokens, _ = await collect(group, req("after", rank=1))
+        assert len(tokens) == 4

@@ -99,8 +99,8 @@ class Carrier:
             self._calls.fail_all(exc, on_rank)
         for rank in fx.dropped:
             transport.drop_queued(rank)
-        for rank, resync in fx.forgets:
-            transport.forget(rank, resync=resync)
+        for rank, resync, epoch in fx.forgets:
+            transport.forget(rank, resync=resync, epoch=epoch)
         for rank, up in fx.ranks:
             self._states[rank].value = RankState.UP if up else RankState.DOWN
         for level, key, message in fx.logs:

@@ -35,7 +35,10 @@ A rank whose connection closed (`lost`, reported by the transport's tasks) is ju
 here too, at the top of the next pass and only after reading what is queued (up to
 `DRAIN_BEFORE_JUDGING` batches): an engine that sent a request's last output and then
 exited must not see that request fail. If the rank came back meanwhile (another
-incarnation), the report is dropped.
+incarnation), the report is dropped. A report may ask for a grace (`lost(grace=)`): the
+close of a rank's output connection alone is judged `_transport.OUTPUT_GRACE` later, so that the
+close of its other connections (the process exited or was killed) is reported first
+and names the plain cause.
 
 Cancellation: only at checkpoints (the group is closing); what was applied stays
 applied.
@@ -43,6 +46,7 @@ applied.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import trio
@@ -60,6 +64,7 @@ HELD_UP = 0.05
 DRAIN_BEFORE_JUDGING = 8
 """Batches of 256 messages read before a silence is judged inside a busy round."""
 
+
 Apply = Callable[[Effects[RequestStream], set[RequestStream]], None]
 
 
@@ -74,12 +79,18 @@ class Dispatcher:
         self._output = output
         self._apply = apply
         self._timer: trio.CancelScope | None = None  # the wait, while parked
-        self._lost: list[tuple[int, object, str]] = []  # (rank, its incarnation, cause)
+        self._lost: list[tuple[float, int, object, str]] = []
+        """(when to judge, rank, its incarnation, cause), in the order reported."""
 
-    def lost(self, rank: int, cause: str) -> None:
-        """`rank`'s connection closed: judge it once what is queued has been read."""
-        self._lost.append((rank, self._core.health[rank], cause))
-        self.move_deadline(trio.current_time())
+    def lost(self, rank: int, cause: str, grace: float = 0.0) -> None:
+        """`rank`'s connection closed: judge it once what is queued has been read, and
+        `grace` s have passed."""
+        when = trio.current_time() + grace
+        self._lost.append((when, rank, self._core.health[rank], cause))
+        self.move_deadline(when)
+
+    def _lost_due(self) -> float:
+        return min((entry[0] for entry in self._lost), default=math.inf)
 
     def move_deadline(self, when: float) -> None:
         """A submit's deadline is earlier than the parked wait's: wake in time."""
@@ -91,12 +102,12 @@ class Dispatcher:
         zs = self._output
         core = self._core
         while True:
-            if self._lost:
+            if self._lost and self._lost_due() <= trio.current_time():
                 self._judge_lost()
             if core.has_work():
                 messages = zs.receive_nowait(256)
             else:
-                deadline = min(core.next_deadline(), trio.current_time() + 1.0)
+                deadline = min(core.next_deadline(), trio.current_time() + 1.0, self._lost_due())
                 with trio.move_on_at(deadline) as timer:
                     self._timer = timer
                     try:
@@ -153,8 +164,10 @@ class Dispatcher:
     def _judge_lost(self) -> None:
         core = self._core
         self._read_queued()
-        lost, self._lost = self._lost, []
-        for rank, incarnation, cause in lost:
+        now = trio.current_time()
+        due = sorted((e for e in self._lost if e[0] <= now), key=lambda e: e[0])
+        self._lost = [e for e in self._lost if e[0] > now]
+        for _, rank, incarnation, cause in due:
             if core.health[rank] is incarnation:
                 core.on_rank_dead(rank, cause)
         self._carry_out(set())

@@ -33,6 +33,7 @@ def group_health(core: GroupCore[Any]) -> GroupHealth:
         size=core.size,
         inflight=len(core.book),
         room=room,
+        recovering=core.recovering,
     )
 
 

@@ -107,6 +107,7 @@ from ._zmq import (
     handshake_deadline,
     heartbeat,
     is_unreachable,
+    peer_closed,
     shutdown_connection,
 )
 from .values import ConnectOptions, Request
@@ -182,12 +183,19 @@ class TransportListener:
     def send_failed(self, rank: int, cause: str) -> None:
         """A send to `rank` failed or timed out; its queued messages were dropped."""
 
-    def connection_lost(self, rank: int, cause: str) -> None:
+    def connection_lost(self, rank: int, cause: str, grace: float = 0.0) -> None:
         """The connection of `rank`'s current incarnation closed (it exited, was
-        killed, or missed heartbeats): it is dead."""
+        killed, or missed heartbeats): it is dead. `grace`: judge it that much later
+        (a report of its other connections closing may come meanwhile and name the
+        plain cause)."""
 
     def flushed(self) -> None:
         """The input task sent a run of messages."""
+
+    def output_stray_closed(self) -> None:
+        """An output connection that no rank had claimed, opened after an INIT, closed:
+        if a rank's first message came on it and was over max_message_size, libzmq
+        dropped it with the connection (the core's `seq` rule judges)."""
 
     def displaced(self, rank: int, cause: str) -> None:
         """CURVE: a peer with another rank's key took `rank`'s identity on the input or
@@ -255,7 +263,7 @@ class Transport(Protocol):
 
     def drop_queued(self, rank: int) -> None: ...
 
-    def forget(self, rank: int, *, resync: bool = True) -> None: ...
+    def forget(self, rank: int, *, resync: bool = True, epoch: int | None = None) -> None: ...
 
     def statistics(self) -> TransportStatistics: ...
 
@@ -306,11 +314,21 @@ UNANSWERED_RESYNCS = 3
 the displaced connections of earlier engines of the rank (`_restore_route`)."""
 
 OUTPUT_LOST = (
-    "its output connection closed, so outputs it sent may be lost: the engine exited, "
-    "was killed or restarted, or sent a message over max_message_size={} bytes (libzmq "
-    "drops the message with the connection, and the engine reconnects)"
+    "its output connection closed while the engine lives, so outputs it sent may be "
+    "lost: it sent a message over max_message_size={} bytes (libzmq drops the message "
+    "with the connection, and the engine reconnects), or restarted its output socket"
 )
 """The cause of a rank whose output connection closed (a template of the size)."""
+
+ENGINE_GONE = (
+    "its connection closed, and its other connections too: the engine process exited or "
+    "was killed (see its log)"
+)
+"""The cause of a rank whose output connection closed along with the rest."""
+
+OUTPUT_GRACE = 0.1
+"""Seconds the close of a rank's output connection alone waits to be judged: a killed
+engine's other connections close within microseconds of it, and name the plain cause."""
 
 OUTPUT_TAKEN = (
     "another connection took its identity on the output socket while its own was open "
@@ -518,7 +536,7 @@ class TransportBase:
         self._monitor = Monitor(zs.sock)
         self._monitors.append(self._monitor)
 
-    def _connection_lost(self, rank: int, cause: str | None = None) -> None:
+    def _connection_lost(self, rank: int, cause: str | None = None, grace: float = 0.0) -> None:
         self._connections_lost += 1
         if cause is None:
             cause = (
@@ -527,15 +545,34 @@ class TransportBase:
                 f"heartbeat_timeout={self.heartbeat_timeout:g} s"
             )
         log.warning("rank %d: %s", rank, cause)
-        self.listener.connection_lost(rank, cause)
+        self.listener.connection_lost(rank, cause, grace)
         self.forget(rank)  # at start-up there is no group yet: its handshake starts over
         self._lost(rank)
 
     def _lost(self, rank: int) -> None:
         """A dialect's note that `rank`'s connection closed (for `HandshakeTimeout`)."""
 
-    def forget(self, rank: int, *, resync: bool = True) -> None:
+    def _output_lost(self, rank: int, max_message_size: int) -> None:
+        """(Dispatcher.) `rank`'s output connection closed. If the connection its life
+        is tied to is closed by its peer too, the process is gone: say so plainly;
+        otherwise outputs were dropped with the one connection (`OUTPUT_LOST`)."""
+        life = self._watch.connections(rank)
+        if life and all(peer_closed(fd) for fd in life):
+            self._connection_lost(rank, ENGINE_GONE)
+        else:  # judged a little later: the close of the others may be on its way
+            self._connection_lost(rank, OUTPUT_LOST.format(max_message_size), OUTPUT_GRACE)
+
+    def forget(self, rank: int, *, resync: bool = True, epoch: int | None = None) -> None:
+        """The incarnation `epoch` of `rank` is dead (None: whichever is current): its
+        handshake starts over, unless a newer HELLO was accepted since (`_superseded`)."""
         raise NotImplementedError
+
+    def _superseded(self, rank: int, epoch: int | None) -> bool:
+        """A forget of incarnation `epoch` comes after a newer HELLO of `rank` was
+        accepted: that handshake stands (forgetting it would drop its INIT, or RESYNC an
+        engine that is starting the new incarnation)."""
+        current = self.state.epoch(rank)
+        return epoch is not None and current is not None and current != epoch
 
     def _close_monitors(self) -> None:
         """Before the sockets they watch close (libzmq: monitors first)."""
@@ -612,13 +649,19 @@ class TransportBase:
                 self._send_failed(
                     rank, f"its input pipe stayed full for {self.send_timeout:g} s (send timeout)"
                 )
+            probe_at = self._input_round(now)
             if sent_any:
                 self.listener.flushed()
             if sent_any or received:
                 await trio.lowlevel.checkpoint()
                 continue
-            with trio.move_on_at(outbox.next_retry()):
+            with trio.move_on_at(min(outbox.next_retry(), probe_at)):
                 await zs.wait_readable_or_kicked(also=also)
+
+    def _input_round(self, now: float) -> float:
+        """(The input task, each round.) A dialect's own input work; returns when it
+        next has some (vLLM: probe dormant ranks)."""
+        return math.inf
 
     def _flush_input(self, now: float) -> bool:
         """Send what each rank that is not blocked has queued, in order, until its pipe
@@ -841,6 +884,12 @@ class GroupTransport(TransportBase):
             resync_interval=resync_interval,
         )
         self._resyncs = 0
+        self._hello_due: dict[int, tuple[bytes, bytes]] = {}
+        """Rank -> (identity, INIT) of an accepted HELLO whose INIT waits for the
+        dispatcher to read the output monitor (`_output_gate`)."""
+        self._deferred: list[tuple[bytes, bytes]] = []
+        """INITs the dispatcher released, for the handshake task to send."""
+        self._gating = False  # the dispatcher reads the output socket (`_output_gate`)
         self._held: dict[int, _HeldHello] = {}
         """Rank -> a HELLO held while its current engine's connection is open."""
         self._resync_body = encode_handshake(Resync())
@@ -928,21 +977,34 @@ class GroupTransport(TransportBase):
 
     # -- the owning tasks -------------------------------------------------------------
 
-    def forget(self, rank: int, *, resync: bool = True) -> None:
+    def forget(self, rank: int, *, resync: bool = True, epoch: int | None = None) -> None:
         """The rank is dead: it must handshake again. With `resync`, it is sent RESYNC
         at once and then about once a second until it says HELLO (§2.5)."""
+        if self._superseded(rank, epoch):
+            return
         self.state.forget(rank, resync=resync)
         self._watch.release(rank)
         self._output_watch.release(rank)
+        self._hello_due.pop(rank, None)
+        identity = rank_identity(rank)
+        self._deferred = [due for due in self._deferred if due[0] != identity]
         if resync:
             self.handshake.kick()
 
     # -- liveness: the output socket (the dispatcher reads it) -------------------------
     #
     # A rank's output connection is the newest one that delivered a message with the
-    # rank's identity since its latest accepted HELLO (connections open at that HELLO are
-    # a predecessor's). When it closes, outputs may have been lost with it: libzmq drops
-    # the connection of a message over max_message_size, and the engine's DEALER
+    # rank's identity since its INIT was sent (connections open before are a
+    # predecessor's: an engine connects its output socket once it has its INIT, §2).
+    # The INIT of a HELLO accepted while the dispatcher runs is therefore sent only
+    # once the dispatcher has read the output monitor to its end (`_output_gate`,
+    # `_hello_due`): a connection the monitor had reported but nobody had read yet (a
+    # previous incarnation's, reconnecting to a restarted client under CPU load) was
+    # missed by a snapshot taken at the HELLO, and its stale batch claimed the rank, so
+    # the new incarnation's own connection was then judged a second process
+    # (OUTPUT_TAKEN) and its first request failed. When it closes, outputs may have been
+    # lost with it: libzmq drops the connection of a message over max_message_size, and
+    # the engine's DEALER
     # reconnects as if nothing happened. So its close is a connection error of the rank
     # (§8.5), and nothing waits for an output that will never come. Messages are read
     # with their source fd only while some open connection is nobody's (until each
@@ -956,18 +1018,39 @@ class GroupTransport(TransportBase):
 
     def _output_gate(self, _member: int) -> Callable[[int, list[bytes]], bool] | None:
         """(Dispatcher, before each drain of the output socket.) Read its monitor; a
-        rank whose output connection closed is lost."""
+        rank whose output connection closed is lost. Then begin the incarnations whose
+        INIT waits (`_hello_due`): every connection open now is a predecessor's, and
+        the handshake task may send the INIT."""
+        self._gating = True
+        watch = self._output_watch
+        self._read_output_monitor()
+        if self._hello_due:
+            for rank, due in self._hello_due.items():
+                self._output_begin(rank)
+                self._deferred.append(due)
+            self._hello_due.clear()
+            self.handshake.kick()
+        return self._output_claim if watch.strays() else None
+
+    def _read_output_monitor(self) -> None:
+        """Read the output socket's monitor to its end (the dispatcher; before it
+        exists, the handshake task): a rank whose output connection closed is lost."""
         watch = self._output_watch
         while events := self._output_monitor.events():
             for event, fd in events:
                 if event == ACCEPTED:
                     watch.accepted(fd)
                     continue
+                predecessor = False
                 for before in self._output_before.values():
+                    predecessor = fd in before or predecessor
                     before.discard(fd)
                 if (rank := watch.disconnected(fd)) is not None:
-                    self._connection_lost(rank, OUTPUT_LOST.format(self._max_message_size))
-        return self._output_claim if watch.strays() else None
+                    self._output_lost(rank, self._max_message_size)
+                elif not predecessor:
+                    # nobody's, opened after an INIT: an engine's first message over
+                    # max_message_size is dropped with such a connection (`seq` tells)
+                    self.listener.output_stray_closed()
 
     def _output_claim(self, fd: int, frames: list[bytes]) -> bool:
         """Keep every message (the core judges it); claim its connection for the rank
@@ -1000,6 +1083,8 @@ class GroupTransport(TransportBase):
         # Held HELLOs first: one decided now makes its rank no longer due, and a RESYNC
         # to a rank with a HELLO held would reach the newcomer (it holds the route) and
         # make it start over right after its INIT.
+        while self._deferred:
+            self._answer_bytes(*self._deferred.pop(0))
         settle_at = self._settle(now)
         zs = self.handshake
         for rank in self.state.resync_due(now):
@@ -1158,6 +1243,14 @@ class GroupTransport(TransportBase):
             log.info("rank %d: HELLO accepted", verdict.rank)
         if isinstance(verdict.reply, Init) and verdict.rank is not None:
             self._claim(fd, verdict.rank)  # its life is this connection's
+            if self._gating:  # INIT once the dispatcher has read the output monitor
+                self._hello_due[verdict.rank] = (identity, encode_handshake(verdict.reply))
+                self.output.kick()
+                return
+            # The initial handshake: no dispatcher yet, and the handshake task reads the
+            # output monitor (a restarted client's predecessors reconnect meanwhile).
+            self._read_output_monitor()
+            self._output_monitor.zs.release()  # the dispatcher's, once it runs
             self._output_begin(verdict.rank)
         if isinstance(verdict.reply, Reject):
             self._logs.log(

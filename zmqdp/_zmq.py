@@ -646,3 +646,15 @@ def shutdown_connection(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+_GONE = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def peer_closed(fd: int) -> bool:
+    """Whether the peer of the connection libzmq serves on `fd` has closed it (or `fd`
+    is closed already), by `poll(2)` with nothing read: the engine process exited or
+    was killed, rather than a single message being dropped with one connection."""
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    return any(events & _GONE for _, events in poller.poll(0))

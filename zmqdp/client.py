@@ -222,6 +222,9 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
                 wire=dialect.wire,
                 held_limit=4 * options.max_message_size,
                 recover=options.recover,
+                recover_timeout=options.recover_timeout
+                or options.ready_timeout
+                or dialect.wire.default_ready_timeout,
                 speed=options.routing == "speed",
             )
             group = cast(
@@ -490,13 +493,17 @@ class _Listener(TransportListener):
         if self.group is not None:
             self.group._rank_dead(rank, cause)
 
-    def connection_lost(self, rank: int, cause: str) -> None:
+    def connection_lost(self, rank: int, cause: str, grace: float = 0.0) -> None:
         if self.group is not None:
-            self.group._dispatcher.lost(rank, cause)  # judged after what came before it
+            self.group._dispatcher.lost(rank, cause, grace)  # after what came before it
 
     def flushed(self) -> None:
         if self.group is not None:
             self.group._flushed()
+
+    def output_stray_closed(self) -> None:
+        if self.group is not None:
+            self.group._core.on_output_stray_closed()
 
     def displaced(self, rank: int, cause: str) -> None:
         if self.group is not None:

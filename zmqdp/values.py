@@ -255,6 +255,9 @@ class GroupHealth:
     """Live requests."""
     room: int | None
     """Requests the up ranks can still take before admission refuses (None: no cap)."""
+    recovering: bool = False
+    """A failed lockstep group waits for its ranks (`ConnectOptions.recover`): live, not
+    ready, until they are back or `recover_timeout` passes (then not live)."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe (module docstring): every field, as is."""
@@ -331,7 +334,13 @@ class ConnectOptions:
     RESYNC; a vLLM engine must be restarted), and once every rank has completed a new
     handshake (a restarted engine group, or the survivors starting a new incarnation)
     the group serves again. Nothing of the failed incarnation reaches the new one.
-    (An independent group never fails as a whole: its ranks come back one by one.)"""
+    (An independent group never fails as a whole: its ranks come back one by one.)
+    The wait is bounded by `recover_timeout`."""
+    recover_timeout: float | None = None
+    """Seconds a failed lockstep group (`recover`) waits for every rank to complete a
+    new handshake; past it, the group is closed for good (`GroupClosed` naming the ranks
+    that did not come back, `health().live` False: a liveness probe restarts the host).
+    None: the wire's `ready_timeout` default (60 s natively, 600 s for vLLM engines)."""
 
     def __post_init__(self) -> None:
         """Refuse what no group could use, before anything is bound."""
@@ -344,6 +353,9 @@ class ConnectOptions:
         if self.routing not in ("least-loaded", "speed"):
             raise ValueError(f"routing must be 'least-loaded' or 'speed', got {self.routing!r}")
         check_timeout("request_timeout", self.request_timeout)
+        rt = self.recover_timeout
+        if rt is not None and (type(rt) not in (int, float) or not 0 < rt < math.inf):
+            raise ValueError(f"recover_timeout must be None or a positive number, got {rt!r}")
         hi, ht = self.heartbeat_interval, self.heartbeat_timeout
         if hi is not None and (type(hi) not in (int, float) or not 0.01 <= hi <= 3600):
             raise ValueError(f"heartbeat_interval must be None or 0.01..3600 s, got {hi!r}")

@@ -16,6 +16,8 @@ from zmqdp._core.handshake import MAX_REJECTIONS_KEPT, HandshakeState, rank_iden
 from zmqdp._core.messages import Hello
 from zmqdp._core.requests import Outcome
 from zmqdp._core.state import GroupCore
+from zmqdp._core.wire import NativeWire
+from zmqdp._probes import group_health
 
 EPOCH = [10, 20]
 
@@ -303,7 +305,7 @@ def test_a_recovering_lockstep_group_waits_for_every_rank_then_serves() -> None:
     c.on_rank_dead(1, "NCCL timeout")
     fx = c.take_effects()
     assert isinstance(c.closed, GroupRecovering) and c.recovering
-    assert sorted(fx.forgets or []) == [(0, True), (1, True)]  # both RESYNCed
+    assert sorted(fx.forgets or []) == [(0, True, 10), (1, True, 20)]  # both RESYNCed
     assert [type(err).__name__ for _, err in fx.ended or []] == ["GroupClosed"]
     assert c.clock is not None and c.clock.wave == 0
     with pytest.raises(GroupRecovering, match="waits for every rank"):
@@ -312,7 +314,7 @@ def test_a_recovering_lockstep_group_waits_for_every_rank_then_serves() -> None:
     c.on_rank_up(0, 4.0, epoch=30, hello_wave=2)
     assert c.recovering  # rank 1 is not back yet
     c.on_rank_dead(0, "died again")  # a new incarnation dies while the group waits
-    assert c.take_effects().forgets == [(0, True)] and c.recovering
+    assert c.take_effects().forgets == [(0, True, 30)] and c.recovering
     c.on_rank_up(0, 5.0, epoch=31, hello_wave=2)
     c.on_rank_up(1, 5.0, epoch=32, hello_wave=3)
     assert c.closed is None and c.recoveries == 1 and c.clock.wave == 3
@@ -509,3 +511,71 @@ def test_a_batch_applied_in_slices_is_timed_by_all_of_its_outputs() -> None:
         while result.rest is not None:
             result = c.continue_batch(result.rest, now)
     assert c.routing.step_time(0) == pytest.approx(0.01)
+
+
+def test_a_recovery_is_bounded_by_recover_timeout() -> None:
+    """A failed lockstep group waits `recover_timeout` from the first time the core is
+    told after the failure (it asks at once), then closes for good naming the ranks
+    that did not come back; a rank back in time does not end the wait early."""
+    c = core(lockstep=True, recover=True, recover_timeout=5.0)
+    c.on_rank_dead(1, "killed")
+    c.take_effects()
+    assert c.recovering and c.next_deadline() == -math.inf
+    c.on_deadline(10.0)
+    assert c.next_deadline() == 15.0
+    c.on_rank_up(0, 12.0, epoch=40)
+    c.on_deadline(14.9)
+    assert c.recovering
+    c.on_deadline(15.0)
+    assert c.closed is not None and not c.recovering
+    assert "rank(s) 1 did not complete a new handshake within recover_timeout=5 s" in str(c.closed)
+    assert group_health(c).live is False and group_health(c).recovering is False
+
+
+def test_a_gap_in_seq_while_the_rank_holds_requests_is_its_connection_error() -> None:
+    """Batches that never arrived (libzmq dropped an oversized one with its connection,
+    and the engine reconnected) may have held outputs: the rank's requests must not
+    wait for them. An idle rank's gap costs nothing."""
+    c = core()
+    c.submit("a", None, object(), 0, now=1)
+    send(c, 0, 1.5, seq=0)
+    assert send(c, 0, 1.6, seq=2).dead is None  # a gap alone: §4's +1 is a SHOULD
+    c.on_output_stray_closed()  # an unclaimed output connection closed: a loss, maybe
+    send(c, 1, 1.7, seq=3)  # idle: a gap, nothing lost
+    assert c.is_up(1)
+    result = send(c, 0, 2.0, seq=4)
+    assert result.dead is not None and "seq 3 never arrived" in result.dead
+    c.on_rank_dead(0, result.dead)
+    [(ended, error)] = c.take_effects().ended or []
+    assert ended.request_id == "a" and "seq 3 never arrived" in str(error)
+
+
+def test_a_first_batch_before_the_rank_is_up_is_no_gap() -> None:
+    """An incarnation's first load report can beat its REGISTER: it is dropped as
+    stale, but its seq is remembered for that epoch."""
+    c: GroupCore[object] = GroupCore(1, lockstep=False)
+    early = cbor2.dumps({"rank": 0, "epoch": 5, "seq": 0, "load": {"waiting": 0, "running": 0}})
+    c.on_message([rank_identity(0), early], 0.0)
+    c.rank_up(0, now=0.1, epoch=5)
+    c.on_output_stray_closed()
+    c.submit("a", None, object(), 0, now=0.2)
+    body = cbor2.dumps({"rank": 0, "epoch": 5, "seq": 1, "outputs": []})
+    assert c.on_message([rank_identity(0), body], 0.3)[1].dead is None
+
+
+class _Resumes(NativeWire):
+    resumes = True
+
+
+def test_requests_that_ended_with_a_resumable_rank_are_aborted_when_it_returns() -> None:
+    """`Wire.resumes` (vLLM): the same process may come back without a handshake and
+    would run its old requests on; they are ABORTed when it is up again."""
+    c = core(wire=_Resumes())
+    c.submit("a", None, object(), 0, now=0)
+    wid = wire(c, "a")
+    c.on_rank_dead(0, "missed heartbeats")
+    c.take_effects()
+    c.on_rank_up(0, 5.0, epoch=EPOCH[0] + 1)
+    sends = c.take_effects().sends or []
+    aborts = [decode_request(*frames) for rank, frames in sends if rank == 0]
+    assert any(getattr(a, "ids", None) == (wid,) for a in aborts), aborts

@@ -133,19 +133,46 @@ def test_a_restarted_engine_rejoins_without_a_new_client(faulty: GroupHost) -> N
     assert [(r.rank, r.error, len(r.tokens)) for r in results] == [(1, None, 6), (0, None, 6)]
 
 
-def test_sigstop_of_an_idle_engine_core_is_seen_by_heartbeats(faulty: GroupHost) -> None:
-    """The stopped process keeps its sockets: only the heartbeats can tell. A vLLM
-    engine does its handshake once, so it stays out until a new process replaces it."""
+def test_sigstop_of_an_engine_core_is_seen_by_heartbeats_and_the_same_process_returns(
+    faulty: GroupHost,
+) -> None:
+    """The stopped process keeps its sockets: only the heartbeats can tell, and its
+    request ends. A vLLM engine does its handshake once per process, so it used to stay
+    out until a new process replaced it. After SIGCONT its sockets reconnect, it
+    answers the client's probe, and it is up again as the same process (issue 32)."""
     pid = faulty.engines.engine_core_pid(1)
-    os.kill(pid, signal.SIGSTOP)
+    group = faulty.group
+    assert group is not None
+
+    async def stop_while_busy(group: VllmGroup) -> BaseException | None:
+        async with group.submit(request("held-stop", 300, rank=1, eos=None)) as s:
+            await s.receive()
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with trio.fail_after(DETECTION):
+                    async for _ in s:
+                        pass
+            except EngineDead as exc:
+                return exc
+        return None
+
     try:
-        faulty.run(_down_within, 1, timeout=60)
-        assert faulty.group is not None and faulty.group.health().ranks_up == 1
+        error = faulty.run(stop_while_busy, timeout=60)
+        assert isinstance(error, EngineDead) and "heartbeat" in str(error), error
+        assert group.rank_state(1).value is RankState.DOWN
         after = faulty.run(collect, request("after-stop", 4), timeout=60)
         assert after.error is None and after.rank == 0, after
     finally:
-        os.kill(pid, signal.SIGKILL)
-    _restart(faulty, 1)
+        os.kill(pid, signal.SIGCONT)
+
+    async def back(group: VllmGroup) -> Result:
+        with trio.fail_after(DETECTION):
+            await group.rank_state(1).wait_value(RankState.UP)
+        return await collect(group, request("resumed", 6, rank=1, eos=None))
+
+    resumed = faulty.run(back, timeout=60)
+    assert resumed.error is None and len(resumed.tokens) == 6, resumed
+    assert faulty.engines.engine_core_pid(1) == pid  # the same process, not a restart
 
 
 def test_sigkill_of_an_idle_engine_core_is_seen_at_once(faulty: GroupHost) -> None:

@@ -43,7 +43,7 @@ class Effects(Generic[H]):
     """Fail every call in flight on that rank (None: every call) with the error."""
     dropped: list[int] = _NONE  # type: ignore[assignment]
     """Ranks whose queued input messages belong to an incarnation that is gone."""
-    forgets: list[tuple[int, bool]] = _NONE  # type: ignore[assignment]
+    forgets: list[tuple[int, bool, int | None]] = _NONE  # type: ignore[assignment]
     """(rank, resync): its handshake starts over (RESYNC it until it says HELLO)."""
     ranks: list[tuple[int, bool]] = _NONE  # type: ignore[assignment]
     """(rank, up) for each rank that came up or went down."""
@@ -93,10 +93,10 @@ class Effects(Generic[H]):
             self.dropped = []
         self.dropped.append(rank)
 
-    def forget(self, rank: int, resync: bool) -> None:
+    def forget(self, rank: int, resync: bool, epoch: int | None = None) -> None:
         if not self.forgets:
             self.forgets = []
-        self.forgets.append((rank, resync))
+        self.forgets.append((rank, resync, epoch))
 
     def rank_state(self, rank: int, up: bool) -> None:
         if not self.ranks:

@@ -104,6 +104,13 @@ class ConnectionWatch:
         """Whether `fd` is an open connection."""
         return fd in self._owner
 
+    def newest_stray(self) -> int | None:
+        """The open connection accepted last that is no rank's (None: there is none)."""
+        for fd in reversed(self._owner):
+            if self._owner[fd] is None:
+                return fd
+        return None
+
     def strays(self) -> int:
         """Open connections that are no rank's current incarnation's."""
         return len(self._owner) - sum(len(fds) for fds in self._conns.values())

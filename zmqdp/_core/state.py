@@ -62,7 +62,11 @@ starts afresh from their HELLOs and the group serves (`recoveries` counts these)
 Messages of the failed incarnation cannot reach the new one: they carry a dead epoch
 (natively), or come on a connection of a previous incarnation (vLLM: dropped by the
 transport), or name wire ids that ended. A rank that dies while the group waits is
-simply forgotten again. `close()` ends the wait.
+simply forgotten again. `close()` ends the wait, and so does `recover_timeout`: a
+group whose ranks have not all come back that long after it failed is closed for good
+(`health().live` turns False, so a liveness probe restarts the host instead of it
+answering 503 forever). Its clock starts at the first time the core is told after the
+failure (`on_deadline`: `next_deadline` asks for one at once).
 """
 
 from __future__ import annotations
@@ -119,6 +123,11 @@ MAX_ID_LENGTH = 512
 """Longest application id accepted, in characters: ids appear in every log line."""
 
 _ABORT_BUDGET = 64 * 1024  # bytes per ABORT at close: keeps each message small
+EARLY_BODY = 4096
+"""Bytes: a batch of a rank that is not up is read for its `seq` only up to this size
+(a first load report; a flood of large ones is dropped unread)."""
+ORPHANS_KEPT = 4096
+"""Wire ids kept per dead rank, to ABORT if its process comes back (`Wire.resumes`)."""
 
 
 @dataclass(slots=True)
@@ -133,6 +142,10 @@ class RankHealth:
     stall_woken_at: float | None = None
     protocol_errors: int = 0
     batches: int = 0
+    next_seq: int = 0
+    """The `seq` the next batch should carry (§4: from 0 at each HELLO, +1 per batch)."""
+    strays_closed: int = 0
+    """`GroupCore.strays_closed` when this incarnation came up."""
 
 
 class Submitted(NamedTuple):
@@ -157,6 +170,9 @@ class BatchRest:
     cursor: EntryCursor | None = None
     dead: str | None = None
     """The batch's `dead`, applied after its last entry."""
+    lost: str | None = None
+    """Batches before this one never arrived (a gap in `seq`) while the rank held
+    requests: a connection error of the rank, after this batch's last entry."""
     tallied: bool = False
     """The decoder judged every entry already (`unknown`/`known` are final)."""
     unknown: int = 0
@@ -316,11 +332,22 @@ class GroupCore(Generic[H]):
         wire: Wire[Any] | None = None,
         held_limit: int = 4 * DEFAULT_MAX_MESSAGE_SIZE,
         recover: bool = False,
+        recover_timeout: float = 60.0,
         speed: bool = False,
     ) -> None:
         self.size = size
         self.recover = recover
         """A failed lockstep group waits for its ranks instead of closing (docstring)."""
+        self.recover_timeout = recover_timeout
+        """Seconds a failed lockstep group waits for every rank before closing for good."""
+        self.strays_closed = 0
+        """Output connections no rank had claimed that closed (`on_output_stray_closed`)."""
+        self._early: dict[int, tuple[int, int]] = {}
+        """Rank (not up) -> (epoch, highest seq) of its small batches seen (`_note_early`)."""
+        self._orphans: dict[int, list[str]] = {}
+        """Rank -> wire ids that ended with its last death (`Wire.resumes`)."""
+        self._recover_by: float | None = None
+        """While recovering: when the wait ends (None: its clock has not started)."""
         self.recoveries = 0
         """Times the group came back after failing as a whole."""
         self.wire: Wire[Any] = NativeWire() if wire is None else wire
@@ -379,6 +406,10 @@ class GroupCore(Generic[H]):
             last_heard=now,
             last_output=now,
         )
+        self.health[rank].strays_closed = self.strays_closed
+        early = self._early.pop(rank, None)
+        if early is not None and early[0] == epoch:
+            self.health[rank].next_seq = early[1] + 1
         if self.clock is not None:
             self.clock.observe_hello(hello_wave)
 
@@ -410,6 +441,8 @@ class GroupCore(Generic[H]):
             return self._fail_group(reason, dead_rank=rank, cause=cause, rejoin=rejoin)
         ended = self.book.rank_down(rank, cause)
         self.counters.count(ended)
+        if self.wire.resumes and ended:  # ABORTed if the same process comes back
+            self._orphans[rank] = [e.wire_id for e in ended][-ORPHANS_KEPT:]
         return Failure(
             rank=rank,
             cause=cause,
@@ -438,6 +471,7 @@ class GroupCore(Generic[H]):
             return None  # closed already (a close ends a recovery, nothing else does)
         self.closed = reason
         if recovering:
+            self._recover_by = None
             self._restart_clock()
         up = [self.is_up(r) and r != dead_rank for r in range(self.size)]
         ended: list[Ended[H]] = []
@@ -660,6 +694,10 @@ class GroupCore(Generic[H]):
             return rank, BatchResult()
         if msg.error is not None:
             return rank, self._connection_error(rank, msg.error)
+        if msg.junk is not None:
+            self.health[rank].protocol_errors += 1
+            self.counters.protocol_errors += 1
+            return rank, BatchResult(error=msg.junk.at(rank=rank))
         batch = msg.batch
         assert batch is not None
         health = self.health[rank]
@@ -682,6 +720,8 @@ class GroupCore(Generic[H]):
         health = self.health[rank]
         if not self.is_up(rank):
             self.counters.stale_messages += 1
+            if len(body) <= EARLY_BODY:
+                self._note_early(rank, body)
             return BatchResult()
         if len(body) >= self.incremental_bytes:
             try:
@@ -730,6 +770,20 @@ class GroupCore(Generic[H]):
             fx, result.bad_replies = self._bad_entries(rank, bad, rest)
         return self._entries(rank, health, outputs, finished, fx, result, rest, now)
 
+    def _note_early(self, rank: int, body: bytes) -> None:
+        """A small batch of a rank that is not up: an incarnation's first load report
+        can arrive before its REGISTER does. Its `seq` is remembered with its epoch, so
+        that the incarnation, once up, does not take it for a lost batch."""
+        try:
+            batch, _ = self._decode(body)
+        except ProtocolError:
+            return
+        if batch.seq is None or batch.epoch is None:
+            return
+        seen = self._early.get(rank)
+        if seen is None or seen[0] != batch.epoch or seen[1] < batch.seq:
+            self._early[rank] = (batch.epoch, batch.seq)
+
     def _decode(self, body: bytes) -> tuple[OutputBatch, EntryCursor | None]:
         """Raises `ProtocolError` only for a connection error (§7)."""
         return self.wire.decode_batch(body, self.slice_entries)
@@ -765,6 +819,17 @@ class GroupCore(Generic[H]):
         """Apply a batch (its first slice, if long): steps 5-9 of the module docstring."""
         health.last_heard = now
         health.batches += 1
+        seq = batch.seq
+        if seq is not None:
+            if (
+                seq > health.next_seq
+                and self.strays_closed > health.strays_closed
+                and self.routing.inflight_count(rank)
+            ):
+                rest.lost = self._lost_batches(health.next_seq, seq)
+                health.protocol_errors += 1
+                self.counters.protocol_errors += 1
+            health.next_seq = max(health.next_seq, seq + 1)
         result: BatchResult[H] = BatchResult(replies=batch.replies)
         fx: BatchEffects[H] | None = None
         if batch.bad_entries:
@@ -818,7 +883,17 @@ class GroupCore(Generic[H]):
             result.rest = rest
         elif rest.dead is not None:
             result.dead = f"announced dead: {quote(rest.dead)}"
+        elif rest.lost is not None:
+            result.dead = rest.lost
         return result
+
+    def _lost_batches(self, expected: int, seq: int) -> str:
+        missing = f"seq {expected}" if seq == expected + 1 else f"seq {expected} to {seq - 1}"
+        return (
+            f"its batches {missing} never arrived (the next one said seq {seq}), so outputs "
+            "of its requests may be lost: a message over the client's max_message_size is "
+            "dropped with its connection, and the engine reconnects as if nothing happened"
+        )
 
     def _bad_entries(
         self, rank: int, bad: tuple[BadEntry, ...], rest: BatchRest
@@ -898,6 +973,8 @@ class GroupCore(Generic[H]):
     def next_deadline(self) -> float:
         """The earliest time `on_timeout` or `expire` has something to do (inf: nothing)."""
         deadline = self.next_expiry()
+        if self.recovering:
+            deadline = min(deadline, -math.inf if self._recover_by is None else self._recover_by)
         for rank in range(self.size):
             if self.is_up(rank) and self.routing.inflight_count(rank):
                 deadline = min(deadline, *self._deadlines(rank))
@@ -998,6 +1075,9 @@ class GroupCore(Generic[H]):
         self.rank_up(
             rank, now, epoch=epoch, hello_wave=hello_wave, max_message_size=max_message_size
         )
+        if (orphans := self._orphans.pop(rank, None)) is not None:
+            for frames in self._abort_frames(rank, orphans):
+                self._fx.send(rank, frames)
         info = info or {}
         self.routing.set_cap(rank, self._cap(rank, cap, info))
         seqs = info.get("max_num_seqs")
@@ -1074,12 +1154,14 @@ class GroupCore(Generic[H]):
             self._drop_held(failure.rank)
         for rank, frames in failure.aborts:
             fx.send(rank, frames)
+        # Each forget names the incarnation that ended (its epoch; vLLM: an incarnation
+        # count): one the transport has already replaced with a newer HELLO is kept.
         if failure.forget is not None:
-            fx.forget(failure.forget, failure.resync)
+            fx.forget(failure.forget, failure.resync, self.health[failure.forget].epoch)
         for rank in failure.also_forget:
             self._drop_held(rank)
             fx.drop(rank)  # what is queued for it belongs to the failed incarnation
-            fx.forget(rank, True)
+            fx.forget(rank, True, self.health[rank].epoch)
         if failure.rank is not None:
             fx.fail_calls(failure.rank, EngineDead(failure.rank, failure.cause))
         if failure.closed is not None:
@@ -1116,6 +1198,14 @@ class GroupCore(Generic[H]):
     def on_send_failed(self, rank: int, cause: str) -> None:
         """A send to `rank` failed or timed out (the transport dropped its queue)."""
         self.on_rank_dead(rank, cause)
+
+    def on_output_stray_closed(self) -> None:
+        """An output connection no rank had claimed, opened after an INIT, closed. A
+        rank's first message over max_message_size is dropped with such a connection,
+        and nothing but the next `seq` can say whose it was: a gap in a rank's `seq`
+        while it holds requests, after such a close, is its connection error (a gap
+        alone is not: §4 asks +1 per batch only as a SHOULD)."""
+        self.strays_closed += 1
 
     def on_flushed(self) -> None:
         """The input task sent a run of messages: one WAKE after a run of ADDs (§5)."""
@@ -1258,8 +1348,20 @@ class GroupCore(Generic[H]):
             self._wave_seen = self._fx.wave = clock.wave
 
     def on_deadline(self, now: float) -> None:
-        """A deadline passed: expire requests, judge silence, WAKE stalled ranks."""
+        """A deadline passed: expire requests, judge silence, WAKE stalled ranks, and
+        end a recovery that waited `recover_timeout`."""
         fx = self._fx
+        if self.recovering:
+            if self._recover_by is None:
+                self._recover_by = now + self.recover_timeout
+            elif now >= self._recover_by:
+                assert self.closed is not None
+                missing = [r for r in range(self.size) if not self.is_up(r)]
+                self.on_close(
+                    f"{self.closed.cause}; rank(s) {', '.join(map(str, missing))} did not "
+                    f"complete a new handshake within recover_timeout={self.recover_timeout:g} "
+                    "s, so it is closed for good (restart the engines, then this client)"
+                )
         for ended, error in self.expire(now):
             fx.end(ended, error)
             fx.send(ended.rank, self.encode_abort((ended.wire_id,)))

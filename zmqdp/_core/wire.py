@@ -51,6 +51,11 @@ class Incoming(NamedTuple):
     None only counted and logged."""
     group_dead: str | None = None
     """A death sentinel that names no rank: the whole group fails."""
+    junk: ProtocolError | None = None
+    """An invalid message that came from `rank`'s own socket but is not a connection
+    error: counted against `rank` and logged, and the rank lives on (vLLM: anyone who
+    can connect to a rank's output socket can send one, and a real engine never
+    does; a vLLM rank declared dead does not come back by itself)."""
 
 
 class Wire(Protocol[R_contra]):
@@ -60,6 +65,11 @@ class Wire(Protocol[R_contra]):
     name: str
     """For messages: "native", "vLLM"."""
     abort_malformed: bool
+    resumes: bool
+    """A rank declared dead may come back as the same process, without a new handshake
+    (vLLM: a stalled engine whose sockets reconnect; `zmqdp.vllm.sockets`): the
+    requests that ended with its death are ABORTed when it is up again, since the
+    engine may still be running them."""
     """Send ABORT for a request a malformed entry ended (§7): an engine that has no
     idea its entry was rejected would run it on, holding a slot the client freed."""
     wake_published: bool
@@ -117,6 +127,7 @@ class NativeWire:
 
     name = "native"
     abort_malformed = False
+    resumes = False
     wake_published = False
     default_ready_timeout = 60.0
 

@@ -110,6 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "come back, /ready 503 meanwhile)",
     )
     group.add_argument(
+        "--recover-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="how long a failed lockstep group waits for every rank to come back before it "
+        "closes for good, and /health answers 503 so that a liveness probe restarts this "
+        "process (default: the ready timeout)",
+    )
+    group.add_argument(
         "--max-buffered",
         type=int,
         default=DEFAULT_MAX_BUFFERED,
@@ -186,6 +195,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         "ready_timeout": args.ready_timeout,
         "heartbeat_timeout": args.heartbeat_timeout,
         "recover": args.recover,
+        "recover_timeout": args.recover_timeout,
         "max_inflight": _max_inflight(args.max_inflight),
         "request_timeout": args.request_timeout,
         "max_buffered": args.max_buffered or None,

@@ -61,7 +61,7 @@ def dialect(
             max_message_size=options.max_message_size,
             insecure=options.insecure,
             vllm_version=vllm_version,
-            death_tag=wire.death_tag,
+            source_tag=wire.source_tag,
             heartbeat_interval=options.heartbeat_interval,
             heartbeat_timeout=options.heartbeat_timeout,
         ) as transport:

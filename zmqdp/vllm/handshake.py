@@ -17,6 +17,12 @@ latest HELLO, in either order. A HELLO from a rank that had said HELLO before is
 **rejoin**: its previous incarnation is dead. A ready response from a rank with no
 HELLO (it belongs to an incarnation that is gone) is stale and ignored.
 
+A vLLM engine does this handshake once per process. So a rank declared dead while its
+process lives (it missed heartbeats, on a stalled host) can only come back as the same
+process: `forget` keeps what its handshake said (`_Rank.kept`), and `resume` brings it
+back up as a new incarnation once the transport has seen that same process answer again
+(`sockets.py`, "dormant ranks"). A new HELLO drops what was kept.
+
 Each rank's wire version (`_wire.wire_version`) comes from its ready response's
 `vllm_version`, or from the caller's override; a guess is logged once per incarnation.
 
@@ -55,6 +61,11 @@ class _Rank:
     version: str | None = None
     lost: str | None = None
     """Why its last incarnation ended, if its connection closed (for `missing`)."""
+    incarnations: int = 0
+    """HELLOs accepted and resumptions: names the current incarnation (`epoch`)."""
+    kept: tuple[dict[str, Any], dict[str, Any]] | None = None
+    """The READY and ready response of an incarnation that was up when it was forgotten
+    (`resume` may bring the same process back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +115,9 @@ class VllmHandshake:
         r = self.ranks[rank]
         rejoin = r.hellos > 0
         r.hellos += 1
+        r.incarnations += 1
         r.step, r.ready, r.response, r.rejected = _Step.HELLO, None, None, None
+        r.kept = None  # a new process: the old one cannot come back
         return HelloVerdict(rank, self.init_for(rank), rejoin=rejoin)
 
     def on_ready(self, identity: bytes, msg: dict[str, Any]) -> int | None:
@@ -169,9 +182,29 @@ class VllmHandshake:
         """The rank is dead (`why`, if its connection closed): it is up again only
         after a new HELLO."""
         r = self.ranks[rank]
+        if r.step is _Step.UP and r.ready is not None and r.response is not None:
+            r.kept = (r.ready, r.response)
         r.step, r.ready, r.response = _Step.NEW, None, None
         if why is not None:
             r.lost = why
+
+    def resumable(self, rank: int) -> bool:
+        """The rank is down, and its last incarnation was up: its process may answer."""
+        r = self.ranks[rank]
+        return r.step is _Step.NEW and r.kept is not None
+
+    def resume(self, rank: int) -> bool:
+        """The process of the rank's last incarnation answered again: it is up, as a new
+        incarnation with what its handshake said. False if nothing was kept."""
+        r = self.ranks[rank]
+        if not self.resumable(rank):
+            return False
+        assert r.kept is not None
+        r.ready, r.response = r.kept
+        r.kept, r.lost = None, None
+        r.incarnations += 1
+        r.step = _Step.UP
+        return True
 
     def is_up(self, rank: int) -> bool:
         return self.ranks[rank].step is _Step.UP
@@ -213,7 +246,9 @@ class VllmHandshake:
         return self.ranks[rank].version
 
     def epoch(self, rank: int) -> int | None:
-        return None
+        """The rank's incarnation count (None before its first HELLO): vLLM's handshake
+        has no epoch, and a forget names the incarnation it ends."""
+        return self.ranks[rank].incarnations or None
 
     def wave(self, rank: int) -> int | None:
         return None

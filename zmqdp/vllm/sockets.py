@@ -13,10 +13,11 @@ vLLM's socket map (`vllm/v1/engine/core_client.py`, `core.py`, `coordinator.py`)
   the owner is kicked awake) and receives the engines' ready responses;
 * output PULLs, **one per rank** (each rank's init names its own; engines connect
   PUSH): handed to the dispatcher, their only user, as one `ZSocketSet`. vLLM's
-  output messages carry their `engine_index`, but its death sentinel
+  output messages carry an `engine_index` anyone can write, and its death sentinel
   ``ENGINE_CORE_DEAD`` and a closed connection name no rank: a socket per rank does.
-  The set tags a sentinel with its socket's rank (`VllmWire.death_tag`), so only that
-  rank dies; a monitor per socket, read by the handshake task, reports the close of
+  The set puts its socket's rank tag in front of every message (`VllmWire.source_tag`),
+  so a message is always its socket's rank's; a monitor per socket, read by the
+  dispatcher, reports the close of
   the connection accepted after the rank's latest HELLO (`_core/liveness.py`): the
   engine exited, was killed, or missed ZMTP heartbeats (a stopped process);
 * MoE groups only, the coordinator role: an XPUB that engines subscribe to (their
@@ -25,6 +26,22 @@ vLLM's socket map (`vllm/v1/engine/core_client.py`, `core.py`, `coordinator.py`)
   started) and the START_DP_WAVEs the client queues with `publish`. Each engine's
   coordinator output (stats, ``wave_complete``, ``start_wave``) is its own output
   PULL: those messages reach the one dispatcher, in the stream it already reads.
+
+**Dormant ranks** (dense groups). A vLLM engine does its handshake once per process,
+so a rank declared dead while its process lives (a stall longer than the heartbeat
+timeout: the client drops its input connection; or the silence rule) used to be lost
+until someone restarted it, although its sockets reconnect by themselves. Such a rank
+is *dormant* while the output connections of its last incarnation stay open (a process
+that exited closes them): its requests ended as for any death and no new work goes to
+it, but the input task probes it about once a second (`PROBE_INTERVAL`) with a UTILITY
+call (`PROBE_METHOD`) on its identity. A probe can only be sent once an engine has
+reconnected its input DEALER with that identity, and the answer counts only if it comes
+on one of those same output connections, so the process that answers is the one whose
+incarnation died: a restarted engine, a new process, would say HELLO first (and a HELLO
+ends the dormancy). Then the rank is up again as a new incarnation of the same process
+(`VllmHandshake.resume`), its life tied to its newest input connection, and the core
+ABORTs the requests that ended with its death (`Wire.resumes`). Lockstep (MoE) groups
+fail as a whole and are never resumed this way. docs/protocol.md has the rule.
 
 Every ROUTER sets ROUTER_MANDATORY (a send to an engine that is gone fails with
 EHOSTUNREACH and is reported through `listener.send_failed`), every socket LINGER 0,
@@ -38,9 +55,11 @@ import collections
 import contextlib
 import logging
 import math
+import secrets
 import socket as _socket
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -50,15 +69,17 @@ from .._addresses import is_loopback
 from .._core.errors import ProtocolError
 from .._core.liveness import ConnectionWatch
 from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
-from .._transport import CONTROL_MAX_MESSAGE, OUTPUT_LOST, TransportBase, TransportListener
+from .._transport import CONTROL_MAX_MESSAGE, TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
 from .._zmq import ACCEPTED, Monitor, ZSocket, ZSocketSet, handshake_deadline, heartbeat
 from .codec import (
     COORDINATOR_READY,
     ENGINE_CORE_DEAD,
     decode_hello,
+    decode_outputs,
     decode_ready_response,
     encode_init,
+    encode_utility,
     rank_identity,
 )
 from .handshake import VllmHandshake
@@ -66,6 +87,23 @@ from .handshake import VllmHandshake
 __all__ = ["MASTER_PORTS", "VllmTransport", "moe_parallel_config", "open_vllm_transport"]
 
 log = logging.getLogger("zmqdp.vllm")
+
+PROBE_INTERVAL = 1.0
+"""Seconds between the probes of a dormant rank (module docstring)."""
+PROBE_METHOD = "is_sleeping"
+"""The UTILITY a dormant rank is probed with: cheap, harmless, in vLLM 0.32 and 0.33."""
+
+
+@dataclass(slots=True)
+class _Dormant:
+    """A dense rank declared dead whose process may live (module docstring)."""
+
+    outputs: set[int]
+    """The open output connections of its last incarnation (it is gone once none is)."""
+    call: int
+    """The call id of its probes."""
+    next_probe: float = -math.inf
+    answered: bool = False
 
 
 def _free_tcp_ports(host: str, n: int) -> list[int]:
@@ -133,7 +171,7 @@ class VllmTransport(TransportBase):
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         insecure: bool = False,
         vllm_version: str | None = None,
-        death_tag: Callable[[int], bytes] | None = None,
+        source_tag: Callable[[int], bytes] | None = None,
         heartbeat_interval: float | None = 0.5,
         heartbeat_timeout: float = 3.0,
     ) -> None:
@@ -157,6 +195,7 @@ class VllmTransport(TransportBase):
         self.context = zmq.Context()
         self._sockets: list[ZSocket] = []
         self._monitors = []
+        self._announced: set[int] = set()  # ranks whose engine sent ENGINE_CORE_DEAD
         self.coordinator: ZSocket | None = None
         try:
             self.handshake = self._bind(zmq.ROUTER, url)
@@ -169,13 +208,15 @@ class VllmTransport(TransportBase):
         except BaseException:
             self._close_sockets()
             raise
-        tags = [death_tag(r) if death_tag is not None else None for r in range(size)]
+        mark = None
+        if source_tag is not None:
+            tags = [source_tag(r) for r in range(size)]
+            announced = self._announced
 
-        def mark(rank: int, frames: list[bytes]) -> list[bytes]:
-            tag = tags[rank]
-            if tag is not None and len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
-                return [ENGINE_CORE_DEAD, tag]
-            return frames
+            def mark(rank: int, frames: list[bytes]) -> list[bytes]:
+                if len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
+                    announced.add(rank)  # a dying engine: never resumed
+                return [tags[rank], *frames]
 
         self.output = ZSocketSet(
             self.outputs, mark, gate=self._gate, extra=[m.zs for m, _ in self._output_watches]
@@ -214,6 +255,12 @@ class VllmTransport(TransportBase):
         self._init_base([rank_identity(r) for r in range(size)], listener, send_timeout)
         self._published: collections.deque[list[bytes]] = collections.deque()
         self.subscriptions = 0
+        self._dormant: dict[int, _Dormant] = {}
+        self._resume_due: set[int] = set()  # answered probes, for the input task
+        self.probes = 0
+        """Probes sent to dormant ranks."""
+        self.resumptions = 0
+        """Dormant ranks that came back (the same process answered)."""
 
     def _bind(self, kind: int, address: str, *, watched: bool = False) -> ZSocket:
         sock = self.context.socket(kind)
@@ -264,9 +311,22 @@ class VllmTransport(TransportBase):
         self._published.append(frames)
         self.coordinator.kick()
 
-    def forget(self, rank: int, *, resync: bool = True) -> None:
+    def forget(self, rank: int, *, resync: bool = True, epoch: int | None = None) -> None:
         """The rank is dead: it is up again after a new HELLO (vLLM has no RESYNC: a
         vLLM engine does its handshake once, so only a restarted one comes back)."""
+        if self._superseded(rank, epoch):
+            return
+        announced = rank in self._announced
+        self._announced.discard(rank)
+        if (
+            not (self.lockstep or announced)
+            and self.state.is_up(rank)
+            and rank not in self._dormant
+        ):
+            outputs = set(self._output_watches[rank][1].connections(rank))
+            if outputs:  # its process may live: probe it (module docstring)
+                self._dormant[rank] = _Dormant(outputs, secrets.randbits(64))
+                self.input.kick()
         self.state.forget(rank)
         self._hello_seen[rank] = False
         self._hello_due.pop(rank, None)
@@ -305,22 +365,100 @@ class VllmTransport(TransportBase):
             for event, fd in events:
                 if event == ACCEPTED:
                     watch.accepted(fd, rank if self._hello_seen[rank] else None)
-                elif watch.disconnected(fd) is not None and not rejoining:
+                    continue
+                if (dormant := self._dormant.get(rank)) is not None and fd in dormant.outputs:
+                    dormant.outputs.discard(fd)
+                    if not dormant.outputs:  # its process is gone: it will not answer
+                        del self._dormant[rank]
+                        self._resume_due.discard(rank)
+                if watch.disconnected(fd) is not None and not rejoining:
                     # The engine's own output connection closed (the last one, a MoE
                     # engine has two). An engine that exited closes its input too;
                     # one that lives had a message over max_message_size dropped with
                     # the connection, and reconnected: either way outputs were lost.
-                    self._connection_lost(rank, OUTPUT_LOST.format(self.max_message_size))
+                    self._output_lost(rank, self.max_message_size)
         if (due := self._hello_due.pop(rank, None)) is not None:
             # Every connection accepted until now is a predecessor's (the monitor was
             # read just above); the new incarnation connects once it has its init.
             self._begin(rank)
             self._deferred.append(due)
             self.handshake.kick()
+        dormant = self._dormant.get(rank)
+        if dormant is not None and not dormant.answered:
+            return self._probe_gate(rank, dormant, watch.connections(rank))
         if watch.strays():
             current = watch.connections(rank)
             return lambda fd, _frames: fd in current
         return None
+
+    def _probe_gate(
+        self, rank: int, dormant: _Dormant, current: frozenset[int]
+    ) -> Callable[[int, list[bytes]], bool]:
+        """Keep what `_gate` keeps; take the answer to a dormant rank's probe, if it came
+        on one of its last incarnation's output connections, and tell the input task."""
+
+        def keep(fd: int, frames: list[bytes]) -> bool:
+            if fd in dormant.outputs and not dormant.answered:
+                try:
+                    batch = decode_outputs(frames)
+                except ProtocolError:
+                    return fd in current
+                if any(reply.call == dormant.call for reply in batch.replies):
+                    dormant.answered = True
+                    self._resume_due.add(rank)
+                    self.input.kick()
+                    return False  # our own probe's answer
+            return fd in current
+
+        return keep
+
+    def _input_round(self, now: float) -> float:
+        """(The input task.) Bring back the dormant ranks that answered; probe the
+        others that are due (a send finds no route until the engine's input DEALER has
+        reconnected: EHOSTUNREACH, tried again later)."""
+        for rank in sorted(self._resume_due):
+            self._resume(rank)
+        next_at = math.inf
+        for rank, dormant in self._dormant.items():
+            if dormant.answered:
+                continue
+            if now >= dormant.next_probe:
+                dormant.next_probe = now + PROBE_INTERVAL
+                probe = encode_utility(dormant.call, PROBE_METHOD, ())
+                with contextlib.suppress(zmq.ZMQError):  # not reconnected (yet)
+                    if self.input.send_nowait([self._identities[rank], *probe]):
+                        self.probes += 1
+            next_at = min(next_at, dormant.next_probe)
+        return next_at
+
+    def _resume(self, rank: int) -> None:
+        """(The input task.) A dormant rank's process answered its probe: up again, its
+        life tied to its newest input connection (the one the probe went through)."""
+        self._resume_due.discard(rank)
+        dormant = self._dormant.pop(rank, None)
+        if dormant is None or not self.state.resumable(rank):
+            return
+        self._watch_connections()
+        fd = self._watch.newest_stray()
+        if fd is None:  # that connection closed again: probe on
+            dormant.answered, dormant.next_probe = False, -math.inf
+            self._dormant[rank] = dormant
+            return
+        self._watch.claim(fd, rank)
+        outputs = self._output_watches[rank][1]
+        for out in dormant.outputs:
+            if out in outputs:
+                outputs.accepted(out, rank)
+        self._hello_seen[rank] = True
+        self.state.resume(rank)
+        self.resumptions += 1
+        log.warning(
+            "rank %d: the engine process declared dead answers again on its connections "
+            "(it had stalled): up again (resumption #%d)",
+            rank,
+            self.resumptions,
+        )
+        self._rank_up(rank)
 
     # -- the owning tasks ---------------------------------------------------------------
 
@@ -344,6 +482,8 @@ class VllmTransport(TransportBase):
                 log.warning("handshake: refused a HELLO: %s", verdict.error)
                 return
             assert verdict.rank is not None
+            self._dormant.pop(verdict.rank, None)  # a new process: the old one is gone
+            self._resume_due.discard(verdict.rank)
             if verdict.rejoin:
                 log.warning("rank %d: HELLO again: its previous incarnation is dead", verdict.rank)
                 self.listener.rejoin(verdict.rank)
@@ -432,7 +572,7 @@ async def open_vllm_transport(
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     insecure: bool = False,
     vllm_version: str | None = None,
-    death_tag: Callable[[int], bytes] | None = None,
+    source_tag: Callable[[int], bytes] | None = None,
     heartbeat_interval: float | None = 0.5,
     heartbeat_timeout: float = 3.0,
 ) -> AsyncIterator[VllmTransport]:
@@ -450,7 +590,7 @@ async def open_vllm_transport(
         max_message_size=max_message_size,
         insecure=insecure,
         vllm_version=vllm_version,
-        death_tag=death_tag,
+        source_tag=source_tag,
         heartbeat_interval=heartbeat_interval,
         heartbeat_timeout=heartbeat_timeout,
     )

@@ -13,16 +13,18 @@ are the same as on the native wire.
   vLLM's engines adopt a newer request wave).
 * WAKE(c) is the coordinator's START_DP_WAVE(c, exclude=None), published on the XPUB
   (`start_dp_wave`, `wake_published`).
-* Output messages come from a PULL socket and carry no routing identity: the rank is
-  the message's `engine_index`. A message that is not an `EngineCoreOutputs` names no
-  rank and cannot kill one; it is counted and logged, as is one naming a rank outside
-  the group.
-* ``ENGINE_CORE_DEAD`` names no rank either (one bare frame). But every rank is given an
-  output socket of its own (`sockets.py`), which tags the sentinel with the rank it came
-  from (`death_tag`, unforgeable: it holds a secret of this wire), so only that rank
-  dies (`OutputBatch.dead`), and a dense group keeps serving on the others. An
-  untagged sentinel (no such socket) fails the whole group (`Incoming.group_dead`), as
-  vLLM's own frontend does.
+* Output messages come from PULL sockets and carry no routing identity, and neither
+  a message's `engine_index` nor vLLM's death sentinel ``ENGINE_CORE_DEAD`` (one bare
+  frame) can be trusted to name its rank: anyone who connects to a socket can write
+  any index. So every rank is given an output socket of its own (`sockets.py`), which
+  puts the rank's tag in front of every message it delivers (`source_tag`,
+  unforgeable: it holds a secret of this wire, and an engine's own frames always come
+  after it). **A message on rank r's socket is rank r's**: its outputs can end only
+  rank r's requests, its sentinel kills only rank r (`OutputBatch.dead`, and a dense
+  group keeps serving on the others), and one that is not an `EngineCoreOutputs`, or
+  names another `engine_index`, is counted against rank r (`Incoming.junk`) without
+  killing it. An untagged message (no such socket) names no rank; an untagged
+  sentinel fails the whole group (`Incoming.group_dead`), as vLLM's own frontend does.
 * A malformed output entry ends only its request (§7), and the client also sends that
   request's ABORT (`abort_malformed`): the engine would run it on to `max_tokens`.
 * Call ids are random unsigned 64-bit ints, as vLLM's client makes them.
@@ -107,18 +109,28 @@ class VllmWire:
 
     name = "vLLM"
     abort_malformed = True
+    resumes = True
     wake_published = True
     default_ready_timeout = 600.0
 
     def __init__(self, client_index: int = 0) -> None:
         self.client_index = client_index
-        self._death_secret = secrets.token_bytes(16)
+        self._source_secret = secrets.token_bytes(16)
 
-    def death_tag(self, rank: int) -> bytes:
-        """The frame the transport appends to an ``ENGINE_CORE_DEAD`` that came on
-        `rank`'s own output socket. No engine can forge it: it holds a secret of this
-        wire."""
-        return self._death_secret + rank.to_bytes(2, "little")
+    def source_tag(self, rank: int) -> bytes:
+        """The frame the transport puts in front of every message that came on `rank`'s
+        own output socket. No engine can forge it: it holds a secret of this wire, and
+        what an engine sends always comes after it."""
+        return self._source_secret + rank.to_bytes(2, "little")
+
+    def _source(self, frames: list[bytes], size: int) -> int | None:
+        """The rank whose socket tagged `frames` (`source_tag`), or None."""
+        tag = frames[0] if frames else b""
+        if len(tag) == 18 and tag[:16] == self._source_secret:
+            rank = int.from_bytes(tag[16:], "little")
+            if rank < size:
+                return rank
+        return None
 
     def prepare(
         self, request: VllmRequest, infos: Sequence[Mapping[str, Any]], wall_time: float
@@ -186,27 +198,32 @@ class VllmWire:
         return call_id
 
     def read(self, frames: list[bytes], size: int) -> Incoming:
-        """``[EngineCoreOutputs, *aux]`` from the output PULL socket."""
-        if len(frames) == 2 and frames[0] == ENGINE_CORE_DEAD:
-            tag = frames[1]
-            if len(tag) == 18 and tag[:16] == self._death_secret:
-                rank = int.from_bytes(tag[16:], "little")
-                if rank < size:
-                    dead = "ENGINE_CORE_DEAD (an engine-side fatal error: see that engine's log)"
-                    return Incoming(rank, batch=OutputBatch(rank, dead=dead))
-        if len(frames) == 1 and frames[0] == ENGINE_CORE_DEAD:
-            return Incoming(
-                None,
-                group_dead="an engine sent ENGINE_CORE_DEAD (vLLM's death sentinel names no rank)",
-            )
+        """``[source_tag, EngineCoreOutputs, *aux]`` from rank r's output PULL socket
+        (module docstring: the message is rank r's, whatever it says)."""
+        rank = self._source(frames, size)
+        if rank is None:
+            if frames == [ENGINE_CORE_DEAD]:
+                return Incoming(
+                    None,
+                    group_dead="an engine sent ENGINE_CORE_DEAD (vLLM's death sentinel "
+                    "names no rank)",
+                )
+            return Incoming(None, error=ProtocolError("a message from no rank's output socket"))
+        frames = frames[1:]
+        if frames == [ENGINE_CORE_DEAD]:
+            dead = "ENGINE_CORE_DEAD (an engine-side fatal error: see that engine's log)"
+            return Incoming(rank, batch=OutputBatch(rank, dead=dead))
         try:
             batch = decode_outputs(frames)
         except ProtocolError as exc:
-            return Incoming(None, error=exc)
-        if not 0 <= batch.rank < size:
-            error = ProtocolError(f"outputs of engine_index {batch.rank}, outside the group")
-            return Incoming(None, error=error)
-        return Incoming(batch.rank, batch=batch)
+            return Incoming(rank, junk=exc)
+        if batch.rank != rank:
+            junk = ProtocolError(
+                f"outputs of engine_index {batch.rank} came on rank {rank}'s output socket: "
+                "dropped (only rank r's engine connects to rank r's socket)"
+            )
+            return Incoming(rank, junk=junk)
+        return Incoming(rank, batch=batch)
 
     def decode_batch(
         self, body: bytes, slice_entries: int
