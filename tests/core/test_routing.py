@@ -148,15 +148,30 @@ class SelectMachine(RuleBasedStateMachine):
         rank = r % self.n
         self._both(lambda routing: routing.set_cap(rank, cap))
 
-    @rule(r=ANY_RANK, tick=TICKS, times=st.integers(1, 6), outputs=st.integers(0, 5))
-    def observe_outputs(self, r: int, tick: float, times: int, outputs: int) -> None:
+    @rule(
+        r=ANY_RANK,
+        tick=TICKS,
+        times=st.integers(1, 6),
+        outputs=st.integers(0, 5),
+        ending=st.integers(0, 2),
+    )
+    def observe_outputs(self, r: int, tick: float, times: int, outputs: int, ending: int) -> None:
         """`times` batches from one rank, `tick` apart (0: read in one pass): from a
-        rank that holds requests if there is one (only those are timed)."""
+        rank that holds requests if there is one (only those are timed). The last one
+        ends `ending` of its requests, as the dispatcher feeds it (counted before,
+        released, then timed): completions confirm the runs."""
         busy = [k for k in range(self.n) if self.linear.inflight_count(k)]
         rank = busy[r % len(busy)] if busy else r % self.n
-        for _ in range(times):
+        for i in range(times):
             self.now += tick
-            self._both(lambda routing: routing.observe_outputs(rank, self.now, outputs))
+            ended = sorted(self.linear.inflight_ids(rank))[:ending] if i == times - 1 else []
+
+            def batch(routing: Routing, ended: list[str] = ended) -> None:
+                running = routing.inflight_count(rank)
+                routing.release(rank, ended)
+                routing.observe_outputs(rank, self.now, outputs, running)
+
+            self._both(batch)
 
     @rule(r=ANY_RANK, capacity=st.none() | st.integers(-1, 4) | st.just(2**62))
     def set_capacity(self, r: int, capacity: int | None) -> None:
@@ -292,10 +307,12 @@ class ForgetsReleaseInIndex(Routing):
 class KeepsStaleStepInIndex(Routing):
     """Times the rank but leaves its old score in the index (speed-aware only)."""
 
-    def observe_outputs(self, rank: int, now: float, outputs: int = 1) -> None:
+    def observe_outputs(
+        self, rank: int, now: float, outputs: int = 1, running: int | None = None
+    ) -> None:
         tree, self._tree = self._tree, None
         try:
-            super().observe_outputs(rank, now, outputs)
+            super().observe_outputs(rank, now, outputs, running)
         finally:
             self._tree = tree
 
@@ -330,10 +347,16 @@ def test_the_machine_catches(variant: type[Routing]) -> None:
 
 
 def timed(routing: Routing, rank: int, step: float, start: float = 0.0) -> float:
-    """Give `rank` (holding a request) a run of batches `step` apart; returns the time."""
+    """Give `rank` (holding a request) a run of batches `step` apart, the last of which
+    finishes a request of its own (a completion confirms the run); returns the time."""
+    timer = f"timer{rank}@{start}"
+    routing.select(timer, rank)
     now = start
-    for _ in range(STEP_RUN + 1):
-        routing.observe_outputs(rank, now)
+    for i in range(STEP_RUN + 1):
+        running = routing.inflight_count(rank)
+        if i == STEP_RUN:
+            routing.release(rank, [timer])
+        routing.observe_outputs(rank, now, running, running)
         now += step
     return now
 
@@ -395,11 +418,18 @@ def test_the_step_time_does_not_depend_on_how_an_engine_batches_a_step(
         routing.select(f"r{i}")
     for step in range(3 * STEP_RUN):
         now = 0.01 * step
+        last = step == 3 * STEP_RUN - 1  # r3's last output: a completion confirms the runs
         if per_request:
-            for _ in range(4):
-                routing.observe_outputs(0, now, 1)
+            for i in range(4):
+                running = routing.inflight_count(0)
+                if last and i == 3:
+                    routing.release(0, ["r3"])
+                routing.observe_outputs(0, now, 1, running)
         else:
-            routing.observe_outputs(0, now, 4)
+            running = routing.inflight_count(0)
+            if last:
+                routing.release(0, ["r3"])
+            routing.observe_outputs(0, now, 4, running)
     assert routing.step_time(0) == pytest.approx(0.01, rel=0.3)
 
 
@@ -416,10 +446,12 @@ def test_requests_ending_inside_a_run_do_not_skew_the_step_time() -> None:
     routing.observe_outputs(0, now, 64)  # the run starts
     for step in range(1, 2 * STEP_RUN + 1):
         now = 0.01 * step
-        running = routing.inflight_count(0)
-        routing.observe_outputs(0, now, running, running)
+        running = routing.inflight_count(0)  # as the dispatcher: counted, freed, timed
         if step == 2:
             routing.release(0, ids[:60])
+        if step == 2 * STEP_RUN:  # a completion confirms both runs
+            routing.release(0, ids[60:61])
+        routing.observe_outputs(0, now, running, running)
     step_time = routing.step_time(0)
     assert step_time is not None and step_time == pytest.approx(0.01, rel=0.05)
 

@@ -484,7 +484,8 @@ def test_replies_do_not_outweigh_junk(stepped: bool) -> None:
 
 def test_the_core_times_each_rank_from_its_batches_and_reads_its_capacity() -> None:
     """Speed-aware routing's inputs: `max_num_seqs` from the handshake info, and the
-    step time from the dispatcher's clock at each batch of outputs."""
+    step time from the dispatcher's clock at each batch of outputs, once a request
+    finishes (completions confirm the timing)."""
     c: GroupCore[object] = GroupCore(2, lockstep=False, speed=True)
     for r in range(2):
         c.on_rank_up(r, 0.0, epoch=EPOCH[r], info={"max_num_seqs": 3 + r})
@@ -493,6 +494,10 @@ def test_the_core_times_each_rank_from_its_batches_and_reads_its_capacity() -> N
     wid = wire(c, "a")
     for step in range(6):
         send(c, 1, 0.02 * step, outputs=[{"id": wid, "body": step}])
+    assert c.routing.step_time(1) is None  # nothing finished yet
+    c.submit("b", None, object(), 1, now=0.1)
+    b = wire(c, "b")
+    send(c, 1, 0.12, outputs=[{"id": wid, "body": 6}, {"id": b, "body": 0, "finish": "stop"}])
     assert c.routing.step_time(1) == pytest.approx(0.02)
     assert c.routing.step_time(0) is None
 
@@ -507,7 +512,10 @@ def test_a_batch_applied_in_slices_is_timed_by_all_of_its_outputs() -> None:
     wids = [wire(c, f"r{i}") for i in range(8)]
     for step in range(8):
         now = 0.01 * step
-        result = send(c, 0, now, outputs=[{"id": w, "body": step} for w in wids])
+        outputs = [{"id": w, "body": step} for w in wids]
+        if step == 7:  # r7 finishes: a completion confirms the runs
+            outputs[7]["finish"] = "stop"
+        result = send(c, 0, now, outputs=outputs)
         while result.rest is not None:
             result = c.continue_batch(result.rest, now)
     assert c.routing.step_time(0) == pytest.approx(0.01)

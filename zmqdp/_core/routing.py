@@ -28,9 +28,35 @@ are no locks at all: the object is used from one trio task at a time.
   longer, and equally fast ranks get them as least-loaded gives them. Every score
   rests on values that change only through the methods that rescore (the fastest
   step time is rounded to a grid, `SPEED_GRID`, and every score is rewritten when that
-  rounding changes), so the index below still chooses exactly what the scan does.
+  rounding changes; so is the slowest, rounded up: the ceiling), so the index below
+  still chooses exactly what the scan does.
   A rank that got slower is timed again only while it holds requests: one that is
   avoided keeps its old step time until the faster ranks fill up.
+* A lying rank (the hostile review: empty outputs every 1 ms looked 20x faster and drew
+  80 % of the requests) is met twice. First, timing needs completions: runs count only
+  once a batch ends one of the rank's requests, so a rank that never finishes is never
+  timed (it counts as the fastest, and shares by load with it); and a rank whose
+  outputs per finished request exceed `TOKENS_SPREAD` x the group's fewest has its step
+  time stretched by the excess, so padding requests with empty outputs buys nothing
+  (bodies are opaque: the core cannot count tokens, only outputs and completions).
+  Second, whatever timing a rank shows, it is bounded:
+
+  **The share bound.** Let ``cost_r(h) = 1 + max(0, (h + 1 - C) / C) + SPEED_SPREAD x
+  h / C`` for a rank of effective capacity C (``h + 1`` if no rank gave one), strictly
+  increasing in the load score h, and ``K_r`` its `lead`, `SPEED_LEAD` x C
+  (`SPEED_LEAD_REQUESTS` with no capacity). Every rank's credited step is at most the
+  ceiling G (the slowest up rank's step time, rounded up on the grid; at least the
+  reference), and from ``h_r >= K_r`` on, ``speed_score(r) >= G x cost_r(h_r - K_r)``.
+  So an unpinned pick of r at ``h_r >= K_r`` gives, for every other candidate q,
+  ``G cost_r(h_r - K_r) <= score(r) <= score(q) <= G cost_q(h_q)``, that is
+  ``cost_r(h_r - K_r) <= cost_q(h_q)``: with equal capacities ``h_r <= h_q + K_r``.
+  **Timing takes a rank at most K_r = 2 x its capacity past the pick least-loaded would
+  make** (by load per capacity if capacities differ; a claimed capacity counts for at
+  most `CAPACITY_SPREAD` x the smallest): right after any pick of it, it holds at most
+  ``min_q h_q + K_r + 1`` (its fair share + its lead; h_q at that pick). Its share of
+  the requests is what that many slots turn over: few, for a rank that finishes late.
+  The bound costs an honest fast rank nothing until it holds 2 capacities more than a
+  slower one (P5's, 3x faster, holds about 1.5 capacities more).
 * Below `TREE_MIN_SIZE` ranks the winner is found by scanning every rank. From there on
   an index keeps a pick at O(log N) instead of O(N): a min segment tree (an implicit
   binary tree in one list; node i has children 2i and 2i + 1, node 1 is the root) whose
@@ -75,9 +101,12 @@ __all__ = [
     "KV_WEIGHT",
     "SPEED_BAND",
     "SPEED_GRID",
+    "SPEED_LEAD",
+    "SPEED_LEAD_REQUESTS",
     "SPEED_SPREAD",
     "STEP_RUN",
     "STEP_WEIGHT",
+    "TOKENS_SPREAD",
     "Routing",
 ]
 
@@ -96,7 +125,16 @@ STEP_RUN = 4
 """`Routing.observe_outputs`: steps per step-time sample."""
 STEP_WEIGHT = 0.25
 """`Routing.observe_outputs`: the weight of the newest sample in the average."""
+SPEED_LEAD = 2
+"""`Routing.lead`: how far past its fair share timing alone can take a rank, in
+capacities (its effective one)."""
+SPEED_LEAD_REQUESTS = 16
+"""`Routing.lead` of a rank whose capacity is not known (nobody gave one), in requests."""
+TOKENS_SPREAD = 4.0
+"""`Routing.observe_outputs`: a rank whose finished requests got more than this many
+times the group's fewest outputs per request has its step time stretched by the excess."""
 _IDLE = Load()
+_NOTHING = (0.0, 0.0)
 
 
 class Routing:
@@ -106,19 +144,26 @@ class Routing:
     when `size` is at least `TREE_MIN_SIZE`. Both choose the same ranks."""
 
     __slots__ = (
+        "_cadence",
         "_cap",
         "_capacity",
+        "_ceiling",
         "_fastest",
+        "_fewest",
         "_inflight",
         "_leaves",
         "_load",
         "_next_start",
+        "_outputs",
+        "_pending",
         "_reference",
         "_seq",
+        "_slowest",
         "_smallest_capacity",
         "_speed",
         "_step",
         "_timing",
+        "_tokens",
         "_tree",
         "_up",
         "size",
@@ -137,10 +182,18 @@ class Routing:
         self.size = size
         self._speed = speed
         self._capacity: list[int | None] = [None] * size
-        self._step = [0.0] * size  # seconds per batch of outputs (EWMA); 0: not known yet
+        self._step = [0.0] * size  # the step time scores use (seconds); 0: not known yet
+        self._cadence = [0.0] * size  # seconds per step from runs of outputs (EWMA)
+        self._tokens = [0.0] * size  # outputs per finished request (EWMA); 0: not known
+        self._outputs = [0] * size  # outputs since the rank last finished a request
+        self._fewest = 0.0  # the smallest known `_tokens` of an up rank (0: none)
         self._timing: list[tuple[float, float] | None] = [None] * size  # (since, steps)
+        # finished runs no completion has confirmed yet: (seconds, steps)
+        self._pending: list[tuple[float, float]] = [_NOTHING] * size
         self._fastest = 0.0  # the smallest known `_step`, assumed for ranks not timed yet
+        self._slowest = 0.0  # the largest known `_step`
         self._reference = 1.0  # `_fastest` on a grid: what `speed_score` assumes for it
+        self._ceiling = 1.0  # the slowest step time on a grid, rounded up: `speed_score`
         self._smallest_capacity: int | None = None
         self._up = [up] * size
         self._inflight: list[set[str]] = [set() for _ in range(size)]
@@ -192,7 +245,12 @@ class Routing:
         """A rank went down or came back: its step time belongs to the incarnation that
         is gone (a fastest rank that died must not set the others' reference)."""
         self._timing[rank] = None
-        self._step[rank] = 0.0
+        self._pending[rank] = _NOTHING
+        tokens = self._tokens[rank]
+        self._step[rank] = self._cadence[rank] = self._tokens[rank] = 0.0
+        self._outputs[rank] = 0
+        if tokens and tokens == self._fewest:
+            self._fewest = self._least_tokens()
         self._refresh_fastest(rank)
         if self._tree is not None:
             self._rescore(rank)
@@ -269,7 +327,11 @@ class Routing:
         requests over equally fast ranks as least-loaded does (their step times grow
         with their batches). A rank within `SPEED_BAND` of the fastest counts as the
         fastest (measurement noise must not unbalance equal ranks), and so does one
-        not timed yet. With no capacity known, the load counts in full."""
+        not timed yet. With no capacity known, the load counts in full.
+
+        From its `lead` on, a rank scores at least what the slowest rank would score
+        with ``lead`` requests fewer (`_ceiling`): past its fair share by its lead,
+        timing no longer helps it (the share bound, module docstring)."""
         fastest = self._reference
         step = self._step[rank]
         if step < fastest * (1.0 + SPEED_BAND):
@@ -277,10 +339,24 @@ class Routing:
         held = self.load_score(rank)
         capacity = self.effective_capacity(rank)
         if capacity is None:
-            return step * (held + 1.0)
-        queued = held + 1.0 - capacity
-        wait = queued / capacity if queued > 0 else 0.0
-        return step * (1.0 + wait + SPEED_SPREAD * held / capacity)
+            score = step * (held + 1.0)
+            lead = SPEED_LEAD_REQUESTS
+        else:
+            queued = held + 1.0 - capacity
+            wait = queued / capacity if queued > 0 else 0.0
+            score = step * (1.0 + wait + SPEED_SPREAD * held / capacity)
+            lead = SPEED_LEAD * capacity
+        if held >= lead:  # the share bound: past its lead, timing no longer helps
+            bound = self._ceiling * _cost(held - lead, capacity)
+            if bound > score:
+                score = bound
+        return score
+
+    def lead(self, rank: int) -> int:
+        """How many requests past its fair share timing alone can take `rank`:
+        `SPEED_LEAD` x its effective capacity (`SPEED_LEAD_REQUESTS` if none is known)."""
+        capacity = self.effective_capacity(rank)
+        return SPEED_LEAD * capacity if capacity is not None else SPEED_LEAD_REQUESTS
 
     def select(self, request_id: str, rank: int | None = None, *, name: str | None = None) -> int:
         """Choose a rank for `request_id` and reserve it there.
@@ -385,40 +461,93 @@ class Routing:
         or one per request, give the same step time (counting batches would make a rank
         that sends one per request look `n` times faster the busier it is). A run ends
         after `STEP_RUN` steps once time has moved on (batches read in one pass share
-        one `now`); its time per step is averaged in (`STEP_WEIGHT` for the newest)."""
+        one `now`).
+
+        Completions confirm the timing (`_confirm`): runs wait, summed, until a batch
+        ends one of the rank's requests (`running` more than it holds after the batch),
+        and are then averaged in as one sample (`STEP_WEIGHT` for the newest); so an
+        engine that streams empty outputs and never finishes is never timed. The same
+        completions count the rank's outputs per finished request, which stretch its
+        step time where they exceed the group's fewest by more than `TOKENS_SPREAD`:
+        an engine that pads each request with empty outputs is timed per request."""
+        inflight = self._inflight[rank]
+        self._outputs[rank] += outputs
         timing = self._timing[rank]
         if timing is None:
-            if self._inflight[rank]:
+            if inflight:
                 self._timing[rank] = (now, 0.0)  # the run starts at this batch
+        else:
+            since, steps = timing
+            held = len(inflight) if running is None else running
+            capacity = self._capacity[rank]
+            if capacity is not None and held > capacity:
+                held = capacity
+            if held >= 1 and outputs > 0:
+                steps += outputs / held if outputs < held else 1.0
+            if steps < STEP_RUN or now <= since:
+                self._timing[rank] = (since, steps)
+            else:
+                self._timing[rank] = (now, 0.0) if inflight else None
+                seconds, counted = self._pending[rank]
+                self._pending[rank] = (seconds + now - since, counted + steps)
+        if running is not None and running > len(inflight):
+            self._confirm(rank, running - len(inflight))
+
+    def _confirm(self, rank: int, ended: int) -> None:
+        """`ended` requests of `rank` finished: count its outputs per finished request,
+        average in the runs that waited for a completion, and set the step time the
+        scores use: the runs' time per step, times how far its outputs per finished
+        request exceed `TOKENS_SPREAD` x the group's fewest (if they do)."""
+        tokens = self._outputs[rank] / ended
+        self._outputs[rank] = 0
+        old = self._tokens[rank]
+        mine = self._tokens[rank] = tokens if not old else old + STEP_WEIGHT * (tokens - old)
+        fewest = self._fewest  # kept without a pass over the ranks unless the least rose
+        if mine and self._up[rank] and (not fewest or mine <= fewest):
+            self._fewest = mine
+        elif old and old == fewest:
+            self._fewest = self._least_tokens()
+        seconds, steps = self._pending[rank]
+        if not steps:
             return
-        since, steps = timing
-        held = len(self._inflight[rank]) if running is None else running
-        capacity = self._capacity[rank]
-        if capacity is not None and held > capacity:
-            held = capacity
-        if held >= 1 and outputs > 0:
-            steps += outputs / held if outputs < held else 1.0
-        if steps < STEP_RUN or now <= since:
-            self._timing[rank] = (since, steps)
-            return
-        self._timing[rank] = (now, 0.0) if self._inflight[rank] else None
-        sample = (now - since) / steps
+        self._pending[rank] = _NOTHING
+        sample = seconds / steps
+        old = self._cadence[rank]
+        cadence = self._cadence[rank] = sample if not old else old + STEP_WEIGHT * (sample - old)
+        fewest = self._fewest
+        excess = mine / (TOKENS_SPREAD * fewest) if fewest else 1.0
         old = self._step[rank]
-        self._step[rank] = sample if not old else old + STEP_WEIGHT * (sample - old)
+        new = self._step[rank] = cadence * excess if excess > 1.0 else cadence
+        if self._fastest < old < self._slowest and self._fastest < new < self._slowest:
+            if self._speed and self._tree is not None:  # neither the fastest nor the slowest
+                self._rescore(rank)
+            return
         self._refresh_fastest(rank)
 
+    def _least_tokens(self) -> float:
+        up = self._up
+        return min((t for r, t in enumerate(self._tokens) if t and up[r]), default=0.0)
+
     def _refresh_fastest(self, rank: int) -> None:
-        """`rank`'s step time changed (or was forgotten): recompute the fastest of the
-        ranks that are up and its rounded reference, and rewrite the scores that use
-        it (all of them if the reference moved, else `rank`'s)."""
-        steps = self._step
-        self._fastest = min((s for r, s in enumerate(steps) if s and self._up[r]), default=0.0)
-        fastest = self._fastest
+        """`rank`'s step time changed (or was forgotten): recompute the fastest and
+        slowest of the ranks that are up, their rounded reference and ceiling, and
+        rewrite the scores that use them (all of them if either moved, else `rank`'s)."""
+        up = self._up
+        known = [s for r, s in enumerate(self._step) if s and up[r]]
+        fastest = self._fastest = min(known, default=0.0)
+        slowest = self._slowest = max(known, default=0.0)
         # The step time the scores assume for the fastest ranks, on a grid of 10 % steps
-        # so that it changes rarely: every score that uses it is then rewritten.
+        # so that it changes rarely: every score that uses it is then rewritten. The
+        # ceiling is the slowest's, rounded up: no rank's credited step exceeds it.
         reference = SPEED_GRID ** round(math.log(fastest, SPEED_GRID)) if fastest > 0 else 1.0
-        if reference != self._reference:
+        ceiling = SPEED_GRID ** math.ceil(math.log(slowest, SPEED_GRID)) if slowest > 0 else 1.0
+        if ceiling < slowest:  # log rounded down by a hair
+            ceiling *= SPEED_GRID
+        if ceiling < reference:
+            ceiling = reference
+        if reference != self._reference or ceiling != self._ceiling:
             self._reference = reference
+            self._ceiling = ceiling
             if self._speed and self._tree is not None:
                 for r in range(self.size):
                     self._rescore(r)
@@ -487,3 +616,12 @@ class Routing:
 
     def inflight_ids(self, rank: int) -> frozenset[str]:
         return frozenset(self._inflight[rank])
+
+
+def _cost(held: float, capacity: int | None) -> float:
+    """`Routing.speed_score` in step times, for a rank with `held` requests."""
+    if capacity is None:
+        return held + 1.0
+    queued = held + 1.0 - capacity
+    wait = queued / capacity if queued > 0 else 0.0
+    return 1.0 + wait + SPEED_SPREAD * held / capacity
