@@ -14,7 +14,7 @@ from zmqdp._core.liveness import ConnectionWatch
 from zmqdp._core.messages import OutputBatch
 from zmqdp._core.outbox import Outbox
 from zmqdp._core.requests import RequestBook
-from zmqdp._core.routing import Routing
+from zmqdp._core.routing import SPEED_BAND, SPEED_SPREAD, STEP_RUN, STEP_WEIGHT, Routing
 from zmqdp._core.state import BatchRest, BatchResult, GroupCore, RankHealth
 from zmqdp._core.waves import WaveClock
 from zmqdp._core.wire import NativeWire
@@ -231,3 +231,57 @@ class ReleaseForgotten(ConnectionWatch):
 
     def release(self, rank: int) -> None:
         pass
+
+
+# -- speed-aware routing (caught by tests/models/routing.py) -----------------------------
+
+
+class UnconfirmedTiming(Routing):
+    """Times a rank by the cadence of its outputs alone, as 362b651 did: each run of
+    `STEP_RUN` steps is averaged in at once, whether or not any request finishes."""
+
+    def observe_outputs(
+        self, rank: int, now: float, outputs: int = 1, running: int | None = None
+    ) -> None:
+        timing = self._timing[rank]
+        if timing is None:
+            if self._inflight[rank]:
+                self._timing[rank] = (now, 0.0)
+            return
+        since, steps = timing
+        held = len(self._inflight[rank]) if running is None else running
+        capacity = self._capacity[rank]
+        if capacity is not None and held > capacity:
+            held = capacity
+        if held >= 1 and outputs > 0:
+            steps += outputs / held if outputs < held else 1.0
+        if steps < STEP_RUN or now <= since:
+            self._timing[rank] = (since, steps)
+            return
+        self._timing[rank] = (now, 0.0) if self._inflight[rank] else None
+        sample = (now - since) / steps
+        old = self._step[rank]
+        self._step[rank] = sample if not old else old + STEP_WEIGHT * (sample - old)
+        self._refresh_fastest(rank)
+
+
+class UnboundedLead(Routing):
+    """Scores by claimed speed however far past its fair share a rank is, as 362b651
+    did: no lead bound."""
+
+    def speed_score(self, rank: int) -> float:
+        fastest = self._reference
+        step = self._step[rank]
+        if step < fastest * (1.0 + SPEED_BAND):
+            step = fastest
+        held = self.load_score(rank)
+        capacity = self.effective_capacity(rank)
+        if capacity is None:
+            return step * (held + 1.0)
+        queued = held + 1.0 - capacity
+        wait = queued / capacity if queued > 0 else 0.0
+        return step * (1.0 + wait + SPEED_SPREAD * held / capacity)
+
+
+class CadenceOnlyRouting(UnconfirmedTiming, UnboundedLead):
+    """362b651's speed-aware routing: cadence-only timing, no lead bound."""
