@@ -44,7 +44,7 @@ class ScriptedEngine:
         self.inbox: list[Any] = []
         self.held: dict[str, Any] = {}
         self.load_override: Load | None = None
-        self.extra: dict[str, Any] = {}
+        self.extra: dict[str, Any] = {}  # more READY info (max_num_seqs, ...)
         self.engine: Engine | None = None
         self.ready = trio.Event()
         self.changed = trio.Event()
@@ -80,7 +80,7 @@ class ScriptedEngine:
             rank=self.rank,
             size=self.size,
             lockstep=self.lockstep,
-            info={"rank": self.rank},
+            info={"rank": self.rank, **self.extra},
         ) as eng:
             self.engine = eng
             self.ready.set()
@@ -120,6 +120,81 @@ class ScriptedEngine:
     async def wait_for(self, predicate: Any) -> None:
         while not predicate():
             await self.changed.wait()
+
+
+class SteppingEngine(ScriptedEngine):
+    """A rank that steps as a real engine does: every `step` s, one output to each of
+    its first `max_num_seqs` requests (a ``{"tokens": k}`` body: the k-th finishes it),
+    all in one batch; `max_num_seqs` goes in its READY info.
+
+    `lie` makes it the hostile review's lying rank: every `step` s an empty output to
+    each request it holds, never finishing one (``"never"``) or finishing each `late`
+    s after it came (``"late"``). `finished` counts the requests it finished."""
+
+    def __init__(
+        self,
+        url: str,
+        rank: int,
+        size: int,
+        *,
+        step: float,
+        max_num_seqs: int,
+        lie: str | None = None,
+        late: float = 1.0,
+    ) -> None:
+        super().__init__(url, rank, size)
+        self.step = step
+        self.max_num_seqs = max_num_seqs
+        self.extra["max_num_seqs"] = max_num_seqs
+        self.lie = lie
+        self.late = late
+        self.queue: dict[str, list[float]] = {}  # wire id -> [tokens left, arrival]
+        self.finished = 0
+
+    def _load(self) -> Load:
+        running = min(len(self.queue), self.max_num_seqs)
+        return Load(waiting=len(self.queue) - running, running=running, kv=0.1)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(super().run)
+            nursery.start_soon(self._steps)
+            task_status.started()
+
+    async def handle(self, msg: Any) -> None:
+        if isinstance(msg, Add):
+            self.queue[msg.id] = [float(msg.body["tokens"]), trio.current_time()]
+        elif isinstance(msg, Abort):
+            dropped = tuple(i for i in msg.ids if self.queue.pop(i, None) is not None)
+            if dropped:
+                await self.emit(finished=dropped)
+        else:
+            await super().handle(msg)
+
+    async def _steps(self) -> None:
+        while True:
+            await trio.sleep(self.step)  # the engine's own clock: its step time
+            if self.engine is None or not self.queue:
+                continue
+            outputs = []
+            if self.lie is None:
+                for wid in list(self.queue)[: self.max_num_seqs]:
+                    entry = self.queue[wid]
+                    entry[0] -= 1
+                    done = entry[0] <= 0
+                    outputs.append(Output(wid, int(entry[0]), "length" if done else None))
+                    if done:
+                        del self.queue[wid]
+                        self.finished += 1
+            else:
+                now = trio.current_time()
+                for wid, (_, came) in list(self.queue.items()):
+                    done = self.lie == "late" and now - came >= self.late
+                    outputs.append(Output(wid, None, "stop" if done else None))
+                    if done:
+                        del self.queue[wid]
+                        self.finished += 1
+            await self.emit(tuple(outputs))
 
 
 async def start_engines(
