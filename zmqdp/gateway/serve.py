@@ -54,6 +54,8 @@ __all__ = ["add_arguments", "banner", "listen_problem", "run", "serve_hypercorn"
 log = logging.getLogger("zmqdp.gateway")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ROUTING = ("speed", "least-loaded")
+"""`--routing`: the values `ConnectOptions.routing` accepts."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--request-timeout", type=float, default=None, help="deadline of every request, s (504)"
+    )
+    group.add_argument(
+        "--routing",
+        choices=ROUTING,
+        default="speed",
+        help="how a request's rank is chosen. speed (default): the rank that would finish "
+        "it first, from each rank's max_num_seqs and step time (timed by the requests it "
+        "finishes; timing alone takes a rank at most 2 x max_num_seqs past its fair "
+        "share); least-loaded: the rank holding the fewest requests",
     )
     group.add_argument("--ready-timeout", type=float, default=60.0, help="wait for ranks, s")
     group.add_argument(
@@ -201,6 +212,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         "max_buffered": args.max_buffered or None,
         "insecure": args.insecure,
     }
+    options["routing"] = args.routing
     if args.keys is not None:
         from ..keys import load_client_keys
 
