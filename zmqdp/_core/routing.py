@@ -540,9 +540,11 @@ class Routing:
         # so that it changes rarely: every score that uses it is then rewritten. The
         # ceiling is the slowest's, rounded up: no rank's credited step exceeds it.
         reference = SPEED_GRID ** round(math.log(fastest, SPEED_GRID)) if fastest > 0 else 1.0
-        ceiling = SPEED_GRID ** math.ceil(math.log(slowest, SPEED_GRID)) if slowest > 0 else 1.0
-        if ceiling < slowest:  # log rounded down by a hair
-            ceiling *= SPEED_GRID
+        ceiling = self._ceiling
+        if not ceiling < slowest * SPEED_GRID or ceiling < slowest:  # off its grid step
+            ceiling = SPEED_GRID ** math.ceil(math.log(slowest, SPEED_GRID)) if slowest else 1.0
+            if ceiling < slowest:  # log rounded down by a hair
+                ceiling *= SPEED_GRID
         if ceiling < reference:
             ceiling = reference
         if reference != self._reference or ceiling != self._ceiling:
