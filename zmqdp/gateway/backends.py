@@ -151,9 +151,12 @@ class Backend(Protocol):
 
     async def sleep(self, seconds: float) -> None: ...
 
-    async def in_thread(self, fn: Callable[[], T]) -> T:
+    async def in_thread(self, fn: Callable[[], T], *, heavy: bool = False) -> T:
         """`fn()` in a worker thread (CPU work that releases the GIL, such as a
-        tokenizer). Cancellation: waits for `fn` to finish (it cannot be interrupted)."""
+        tokenizer). Cancellation: waits for `fn` to finish (it cannot be interrupted).
+        `heavy`: in the one heavy lane, one call at a time (the work of a large body,
+        which may take a core for seconds: however many such requests arrive, they take
+        one core, and the event loop's thread keeps the other)."""
         ...
 
     async def sleep_forever(self) -> None:
@@ -278,8 +281,14 @@ class TrioBackend:
     async def sleep(self, seconds: float) -> None:
         await trio.sleep(seconds)
 
-    async def in_thread(self, fn: Callable[[], T]) -> T:
-        return await trio.to_thread.run_sync(fn)
+    _heavy: trio.CapacityLimiter | None = None
+
+    async def in_thread(self, fn: Callable[[], T], *, heavy: bool = False) -> T:
+        if not heavy:
+            return await trio.to_thread.run_sync(fn)
+        if self._heavy is None:
+            self._heavy = trio.CapacityLimiter(1)
+        return await trio.to_thread.run_sync(fn, limiter=self._heavy)
 
     async def sleep_forever(self) -> None:
         await trio.sleep_forever()
@@ -350,9 +359,20 @@ class AsyncioBackend:
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
-    async def in_thread(self, fn: Callable[[], T]) -> T:
+    _heavy: asyncio.Semaphore | None = None
+
+    async def in_thread(self, fn: Callable[[], T], *, heavy: bool = False) -> T:
         # shielded: a cancelled wait would leave the thread running unawaited
-        return await asyncio.shield(asyncio.to_thread(fn))
+        if not heavy:
+            return await asyncio.shield(asyncio.to_thread(fn))
+        if self._heavy is None:
+            self._heavy = asyncio.Semaphore(1)
+        lane = self._heavy
+        await lane.acquire()
+        # the lane is the thread's until it ends, even if this wait is cancelled
+        future = asyncio.ensure_future(asyncio.to_thread(fn))
+        future.add_done_callback(lambda _: lane.release())
+        return await asyncio.shield(future)
 
     async def sleep_forever(self) -> None:
         await asyncio.get_running_loop().create_future()

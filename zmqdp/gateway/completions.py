@@ -6,7 +6,9 @@ The request path, in order:
 
 1. **Read the body** (up to `max_body_size`, else 413). A client that goes away
    meanwhile ends the exchange here; nothing was submitted.
-2. **Validate**: the JSON (`openai.parse_completion`), the optional
+2. **Validate**: the JSON (`openai.parse_completion`; a body of more than
+   `openai.LARGE_BODY` bytes in a worker thread, so that the event loop keeps serving
+   the other requests while it is parsed, issue 25), the optional
    `X-Data-Parallel-Rank` header (an int >= 0 of at most `MAX_RANK_DIGITS` digits,
    else 400), a non-streaming request's `max_tokens` against `max_collected_tokens`
    (400 naming `max_tokens` past it: stream it instead), then the dialect's `prepare`
@@ -84,6 +86,7 @@ from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_di
 from .metrics import HTTPCounters
 from .openai import (
     DONE,
+    LARGE_BODY,
     MAX_MODEL_LENGTH,
     ChatChunkEncoder,
     ChunkEncoder,
@@ -183,10 +186,16 @@ async def _until_stopped(
         await forever()
 
 
-def _parse_chat(
-    body: bytes, fields: frozenset[str], dialect: Any
-) -> tuple[CompletionRequest, tuple[dict[str, str], ...]]:
-    """A chat body: the request (its prompt rendered later, `_prepare`) and messages."""
+def _parse(
+    body: bytes, dialect: Any, chat: bool
+) -> tuple[CompletionRequest, tuple[dict[str, str], ...] | None]:
+    """The request, and a chat's messages (its prompt is rendered later, `_prepare`).
+    A dialect's `max_prompt_tokens` bounds a prompt's token ids and a chat's messages
+    before they are looked at one by one (openai.py)."""
+    fields: frozenset[str] = getattr(dialect, "fields", frozenset())
+    limit: int | None = getattr(dialect, "max_prompt_tokens", None)
+    if not chat:
+        return parse_completion(body, fields, max_prompt_tokens=limit), None
     if getattr(dialect, "chat_prompt", None) is None:
         raise HTTPError(
             404,
@@ -194,7 +203,7 @@ def _parse_chat(
             "not_found",
             "this server's engine dialect renders no chat: use /v1/completions",
         )
-    return parse_chat(body, fields)
+    return parse_chat(body, fields, max_prompt_tokens=limit)
 
 
 def _prepare(
@@ -261,12 +270,12 @@ async def handle_completion(
             if body is None:
                 counters.disconnects[exchange.route] += 1
                 return
-            fields: frozenset[str] = getattr(settings.dialect, "fields", frozenset())
-            messages: tuple[dict[str, str], ...] | None = None
-            if chat:
-                request, messages = _parse_chat(body, fields, settings.dialect)
+            parse = functools.partial(_parse, body, settings.dialect, chat)
+            heavy = len(body) > LARGE_BODY
+            if heavy:  # off the event loop (openai.py), in the one heavy lane
+                request, messages = await backend.in_thread(parse, heavy=True)
             else:
-                request = parse_completion(body, fields)
+                request, messages = parse()
             if request.model is not None and request.model not in settings.served:
                 raise HTTPError(
                     404,
@@ -280,7 +289,7 @@ async def handle_completion(
             _check_collected(request, settings)
             work = functools.partial(_prepare, settings.dialect, request, messages, request_id)
             if getattr(settings.dialect, "threaded", False):
-                request, prepared = await backend.in_thread(work)
+                request, prepared = await backend.in_thread(work, heavy=heavy)
             else:
                 request, prepared = work()
             if group is None:

@@ -38,7 +38,7 @@ from prometheus_client.registry import Collector
 from .._core.metrics import Histogram, HistogramSnapshot
 from ..values import GroupHealth, GroupStatistics, RankState
 
-__all__ = ["GatewayCollector", "HTTPCounters"]
+__all__ = ["FINISH_LABELS", "GatewayCollector", "HTTPCounters"]
 
 REQUEST_COUNTERS: dict[str, str] = {
     "submitted": "Requests accepted by submit (their ADD was queued).",
@@ -77,6 +77,13 @@ GROUP_COUNTERS: dict[str, str] = {
 _NOT_COUNTERS = {"ranks", "lockstep", "wave", "waiting"}
 
 
+FINISH_LABELS = frozenset({"stop", "length", "abort", "error", "repetition"})
+"""The finish reasons counted under their own name (`HTTPCounters.finished`, the
+``finished_reason`` label of ``vllm:request_success``): vLLM's, and the gateway's
+"abort". Any other finish string an engine sends is counted as ``"other"``: a label
+value taken from the engine would let it grow the metric series without bound (one
+new series per unique string, kept for the life of the process)."""
+
 TOKEN_BUCKETS: tuple[float, ...] = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 """Token-count buckets, 1 to 500,000 in 1-2-5 steps (vLLM's `build_1_2_5_buckets`)."""
 
@@ -96,7 +103,8 @@ class HTTPCounters:
         self.durations: dict[str, Histogram] = {}
         """route -> seconds from a request's arrival to the end of its response."""
         self.finished: Counter[str] = Counter()
-        """finish reason (``stop``, ``length``, ``abort``) -> requests whose answer ended."""
+        """finish reason (one of `FINISH_LABELS`, or ``other``) -> requests whose answer
+        ended."""
         self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
         self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
         self.time_per_output_token = Histogram()
@@ -106,7 +114,7 @@ class HTTPCounters:
         self, finish: str, prompt_tokens: int, tokens: int, first: float, last: float
     ) -> None:
         """One answer that ended (`first`, `last`: when its first and last tokens came)."""
-        self.finished[finish] += 1
+        self.finished[finish if finish in FINISH_LABELS else "other"] += 1
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(tokens)
         if tokens > 1:

@@ -225,30 +225,70 @@ class VllmDialect:
     def eos_token_id(self) -> int | None:
         return self.model.eos_token_id
 
-    def encode(self, text: str, *, special: bool = True) -> list[int]:
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The most token ids a prompt can have (the model's length; None: unknown). The
+        gateway refuses a longer token-id prompt, or a chat of more messages, before it
+        looks at their elements (openai.py)."""
+        return self.model.max_model_len
+
+    def encode(self, text: str, *, special: bool = True, reserve: int = 0) -> list[int]:
         """Token ids of `text` (`special`: with the tokenizer's BOS/EOS post-processing).
-        `ValueError` for text that cannot fit the model (checked before tokenizing: a
-        4 MiB prompt takes seconds to tokenize) or has no UTF-8 form."""
+        `ValueError` for text that cannot fit the model with `reserve` tokens left for
+        the completion, or has no UTF-8 form."""
+        return self._encoding(text, special, reserve).ids  # type: ignore[no-any-return]
+
+    def _encoding(self, text: str, special: bool, reserve: int) -> Any:
+        """`text` tokenized (a `tokenizers.Encoding`: its length is the token count,
+        known before a list of ids is made).
+
+        A text that cannot fit the model with `reserve` tokens left is refused before
+        tokenizing (a token stands for at most `widest` characters): a 2 MiB prompt
+        takes seconds to tokenize. The tokenizer runs in `encode_batch_fast`, which
+        releases the GIL while it works (`encode` does not, in tokenizers 0.23: in the
+        gateway's worker thread it froze the event loop, and every stream, for the
+        whole 2 s of a long prompt; issue 25), and skips the character offsets."""
         model = self.model
-        if model.max_model_len is not None and len(text) > model.max_model_len * model.widest:
+        length = model.max_model_len
+        if length is not None and len(text) > max(0, length - reserve) * model.widest:
+            left = "" if reserve <= 0 else f" with {reserve} left for the completion"
             raise ValueError(
                 f"'prompt' has {len(text)} characters: more than this model's maximum context "
-                f"length ({model.max_model_len} tokens) can hold"
+                f"length ({length} tokens) can hold{left}"
             )
         try:
-            ids: list[int] = model.tokenizer.encode(text, add_special_tokens=special).ids
+            return model.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0]
         except TypeError:  # tokenizers' answer to a lone surrogate ("\ud800" in the JSON)
             raise ValueError("the prompt is not valid Unicode (a lone surrogate)") from None
-        return ids
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         from ..vllm import SamplingParams, VllmRequest
 
         model = self.model
         prompt = request.prompt
+        length = model.max_model_len
+        max_tokens = request.max_tokens
+        encoding: Any = None
         if isinstance(prompt, str):
             # a chat prompt has its special tokens from the template already
-            ids = self.encode(prompt, special=not request.chat)
+            reserve = max_tokens if request.max_tokens_given else 1
+            encoding = self._encoding(prompt, not request.chat, reserve)
+            count = len(encoding)
+        else:
+            count = len(prompt)
+        if not count:
+            raise ValueError("'prompt' is empty (no tokens)")
+        if length is not None and not request.max_tokens_given:
+            max_tokens = max(1, min(max_tokens, length - count))  # as vLLM: the rest
+        if length is not None and count + max_tokens > length:
+            # (before a list of ids is made, or each id looked at)
+            raise ValueError(
+                f"this model's maximum context length is {length} tokens; you requested "
+                f"{count + max_tokens} ({count} in the prompt, "
+                f"{max_tokens} in the completion ('max_tokens'))"
+            )
+        if encoding is not None:
+            ids: list[int] = encoding.ids
         else:
             ids = list(prompt)
             bad = next((t for t in ids if t >= model.vocab), None)
@@ -257,18 +297,6 @@ class VllmDialect:
                     f"'prompt': token id {bad} is out of vocabulary (the model has "
                     f"{model.vocab} tokens)"
                 )
-        if not ids:
-            raise ValueError("'prompt' is empty (no tokens)")
-        length = model.max_model_len
-        max_tokens = request.max_tokens
-        if length is not None and not request.max_tokens_given:
-            max_tokens = max(1, min(max_tokens, length - len(ids)))  # as vLLM: the rest
-        if length is not None and len(ids) + max_tokens > length:
-            raise ValueError(
-                f"this model's maximum context length is {length} tokens; you requested "
-                f"{len(ids) + max_tokens} ({len(ids)} in the prompt, "
-                f"{max_tokens} in the completion ('max_tokens'))"
-            )
         raw = request.raw
         stop_ids = raw.get("stop_token_ids", [])
         if not isinstance(stop_ids, list) or not all(
