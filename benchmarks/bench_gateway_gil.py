@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import http.client
+import itertools
 import json
 import os
 import shutil
@@ -142,9 +143,7 @@ def attack(port: int, context: int, wide: int, clients: int, out: str, only: str
             i += 1
             path, data = bodies[name].split(b" ", 1)
             try:
-                conn.request(
-                    "POST", path.decode(), data, {"content-type": "application/json"}
-                )
+                conn.request("POST", path.decode(), data, {"content-type": "application/json"})
                 response = conn.getresponse()
                 response.read()
                 status = str(response.status)
@@ -255,7 +254,7 @@ def measure(port: int, seconds: float) -> dict[str, float]:
     try:
         while time.perf_counter() < end:
             times = victim_stream(port)
-            gaps += [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # after the first
+            gaps += [b - a for a, b in itertools.pairwise(times)]
             streams += 1
     finally:
         stop.set()
@@ -299,7 +298,8 @@ def run_server(server: str, args: argparse.Namespace, model: Path, tmp: Path) ->
     python = sys.executable
     port = free_port()
     url = f"ipc://{tmp}/{server}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     logs = {n: (tmp / f"{server}-{n}.log").open("wb") for n in ("gateway", "engines", "attack")}
     gateway_cmd = [python, "-m", "zmqdp", "serve", "--vllm", str(model), "--url", url]
     gateway_cmd += ["--engines", "2", "--port", str(port), "--log-level", "WARNING"]
@@ -320,8 +320,10 @@ def run_server(server: str, args: argparse.Namespace, model: Path, tmp: Path) ->
         alone = measure(port, args.seconds)
         counts_path = tmp / f"{server}-counts.json"
         attackers = subprocess.Popen(
-            [python, me, "attack", str(port), str(args.context), str(widest(model))]
-            + [str(args.attackers), str(counts_path), args.payloads],
+            [
+                *(python, me, "attack", str(port), str(args.context), str(widest(model))),
+                *(str(args.attackers), str(counts_path), args.payloads),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=logs["attack"],

@@ -472,9 +472,7 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 """The message roles taken."""
 
 
-def _messages(
-    data: dict[str, Any], max_messages: int | None = None
-) -> tuple[dict[str, str], ...]:
+def _messages(data: dict[str, Any], max_messages: int | None = None) -> tuple[dict[str, str], ...]:
     """`messages` as (role, content) maps with text content; `HTTPError` 400 otherwise
     (more than `max_messages` of them: at once, before any is looked at)."""
     messages = data.get("messages")

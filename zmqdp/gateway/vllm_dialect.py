@@ -232,29 +232,27 @@ class VllmDialect:
         looks at their elements (openai.py)."""
         return self.model.max_model_len
 
-    def encode(self, text: str, *, special: bool = True, reserve: int = 0) -> list[int]:
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of `text` (`special`: with the tokenizer's BOS/EOS post-processing).
-        `ValueError` for text that cannot fit the model with `reserve` tokens left for
-        the completion, or has no UTF-8 form."""
-        return self._encoding(text, special, reserve).ids  # type: ignore[no-any-return]
+        `ValueError` for text that cannot fit the model or has no UTF-8 form."""
+        return self._encoding(text, special).ids  # type: ignore[no-any-return]
 
-    def _encoding(self, text: str, special: bool, reserve: int) -> Any:
+    def _encoding(self, text: str, special: bool) -> Any:
         """`text` tokenized (a `tokenizers.Encoding`: its length is the token count,
         known before a list of ids is made).
 
-        A text that cannot fit the model with `reserve` tokens left is refused before
-        tokenizing (a token stands for at most `widest` characters): a 2 MiB prompt
-        takes seconds to tokenize. The tokenizer runs in `encode_batch_fast`, which
-        releases the GIL while it works (`encode` does not, in tokenizers 0.23: in the
-        gateway's worker thread it froze the event loop, and every stream, for the
-        whole 2 s of a long prompt; issue 25), and skips the character offsets."""
+        A text that cannot fit the model is refused before tokenizing (a token stands
+        for at most `widest` characters): a 2 MiB prompt takes seconds to tokenize. The
+        tokenizer runs in `encode_batch_fast`, which releases the GIL while it works
+        (`encode` does not, in tokenizers 0.23: in the gateway's worker thread it froze
+        the event loop, and every stream, for the whole 2 s of a long prompt; issue
+        25), and skips the character offsets."""
         model = self.model
         length = model.max_model_len
-        if length is not None and len(text) > max(0, length - reserve) * model.widest:
-            left = "" if reserve <= 0 else f" with {reserve} left for the completion"
+        if length is not None and len(text) > length * model.widest:
             raise ValueError(
                 f"'prompt' has {len(text)} characters: more than this model's maximum context "
-                f"length ({length} tokens) can hold{left}"
+                f"length ({length} tokens) can hold"
             )
         try:
             return model.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0]
@@ -271,8 +269,7 @@ class VllmDialect:
         encoding: Any = None
         if isinstance(prompt, str):
             # a chat prompt has its special tokens from the template already
-            reserve = max_tokens if request.max_tokens_given else 1
-            encoding = self._encoding(prompt, not request.chat, reserve)
+            encoding = self._encoding(prompt, not request.chat)
             count = len(encoding)
         else:
             count = len(prompt)
@@ -287,7 +284,7 @@ class VllmDialect:
                 f"{count + max_tokens} ({count} in the prompt, "
                 f"{max_tokens} in the completion ('max_tokens'))"
             )
-        if encoding is not None:
+        if isinstance(prompt, str):
             ids: list[int] = encoding.ids
         else:
             ids = list(prompt)
