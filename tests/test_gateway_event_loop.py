@@ -11,6 +11,7 @@ benchmarks/bench_gateway_gil.py measures how long a victim's stream stalls.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import shutil
@@ -24,18 +25,22 @@ import pytest
 import trio
 
 from tests.fakes.engines import ScriptedEngine
+from tests.fakes.threaded import RUNNERS, EngineThread, Run, loop_runner
 from zmqdp._core.messages import Output
 from zmqdp.engine import Add
 from zmqdp.gateway import VllmDialect, completions, create_app
 
 from .gateway_helpers import Metrics, ScriptDialect
 from .test_gateway import READY_TIMEOUT, serving
+from .test_gateway_asyncio import on_uvicorn
 from .test_vllm_group import vllm_group
 
 pytest.importorskip("tokenizers", reason="the vllm extra (tokenizers)")
 
 MODEL = Path(__file__).parent / "data" / "tiny-model"
 CONTEXT = 131072
+
+run = pytest.fixture(params=sorted(RUNNERS), name="run")(loop_runner)
 
 
 def long_context_model(tmp: Path) -> Path:
@@ -118,6 +123,27 @@ async def test_the_loop_answers_while_a_long_prompt_is_tokenized(tmp_path: Path)
     assert answer.status_code == 400 and "maximum context length" in answer.text
 
 
+def hold_parse(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """The gateway's `name` (`parse_completion`, `parse_chat`) held once it starts,
+    until `release` (at most 5 s: on the loop's own thread nothing could release it):
+    the events (`started`, `release`, `parsed`)."""
+    real = getattr(completions, name)
+    started, release, parsed = threading.Event(), threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        release.wait(5)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            parsed.set()
+
+    monkeypatch.setattr(completions, name, held)
+    return started, release, parsed
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 async def test_the_loop_answers_while_a_large_body_is_parsed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chat: bool
@@ -126,19 +152,7 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     token ids, 0.4 s for 140k chat messages), holding up every stream. The parse now
     runs in a worker thread: here it is held until `/health` has been answered (on
     the loop's own thread, the hold would freeze the loop and `/health` with it)."""
-    name = "parse_chat" if chat else "parse_completion"
-    real = getattr(completions, name)
-    started, release, parsed = threading.Event(), threading.Event(), threading.Event()
-
-    def held(*args: Any, **kwargs: Any) -> Any:
-        started.set()
-        release.wait(5)  # (a timeout only on the loop's own thread: nothing releases it)
-        try:
-            return real(*args, **kwargs)
-        finally:
-            parsed.set()
-
-    monkeypatch.setattr(completions, name, held)
+    started, release, parsed = hold_parse(monkeypatch, "parse_chat" if chat else "parse_completion")
     dialect = VllmDialect(long_context_model(tmp_path))
     if chat:  # more messages than the context has tokens, in 4 MiB
         path, body = "/v1/chat/completions", {"messages": [{"role": "user"}] * 200_000}
@@ -168,6 +182,27 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     assert error["param"] == ("messages" if chat else "prompt")
     what = "200000 messages" if chat else "2000000 token ids"
     assert f"has {what}: more than this model's maximum context length" in error["message"]
+
+
+def test_the_loop_answers_while_a_large_body_is_parsed_on_uvicorn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: Run
+) -> None:
+    """Finding 4 on asyncio: the parse of a large body runs in the worker thread of
+    the heavy lane there too."""
+    started, release, parsed = hold_parse(monkeypatch, "parse_completion")
+    data = json.dumps({"prompt": [1] * 100_000, "max_tokens": 1}).encode()
+
+    async def body(client: httpx.AsyncClient, _: Any, engines: EngineThread) -> None:
+        async with asyncio.timeout(15):
+            attacker = asyncio.create_task(client.post("/v1/completions", content=data))
+            await asyncio.to_thread(started.wait)
+            healthy = await answered_before(client, parsed.is_set)
+            release.set()
+            assert healthy, "the event loop answered nothing while the body was parsed"
+            answer = await attacker
+            assert answer.status_code == 200, answer.text
+
+    on_uvicorn(run, tmp_path, body)
 
 
 class FinishEngine(ScriptedEngine):

@@ -102,7 +102,12 @@ class Dialect(Protocol):
     conversation it cannot render (400). Without it, chat requests get 404.
 
     A dialect with ``threaded = True`` has `chat_prompt` and `prepare` run in a worker
-    thread (they must then be thread-safe): for slow work such as a tokenizer."""
+    thread (they must then be thread-safe): for slow work such as a tokenizer. That of
+    a request whose body is large runs in the one heavy lane (`Backend.in_thread`).
+
+    A dialect may have a `max_prompt_tokens` attribute (an int, or None): the most token
+    ids a prompt can have. The gateway then refuses a longer token-id prompt, and a chat
+    of more messages, with a 400 before it looks at any element (openai.py)."""
 
     def prepare(self, request: CompletionRequest) -> Prepared:
         """The engine body for `request`; `ValueError` (its message goes to the client,

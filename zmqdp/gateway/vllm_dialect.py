@@ -139,7 +139,8 @@ class VllmDialect:
     fields = FIELDS
     threaded = True
     """The gateway runs `chat_prompt` and `prepare` in a worker thread: tokenizing a
-    long prompt takes long enough to hold up every other request on the event loop."""
+    long prompt takes long enough to hold up every other request on the event loop (and
+    the tokenizer lets go of the GIL meanwhile: `_encoding`)."""
 
     def __init__(self, model_dir: str | Path, *, max_model_len: int | None = None) -> None:
         from tokenizers import Tokenizer
