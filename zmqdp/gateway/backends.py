@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -58,6 +59,12 @@ __all__ = [
 ]
 
 log = logging.getLogger("zmqdp.gateway")
+
+HEAVY_LANE = max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
+"""Worker threads of the heavy lane (`Backend.in_thread`): the cores this process may
+run on, but one (1 on a 2-core machine). Tokenizing a 2 MiB prompt takes a core for
+seconds; two hostile clients sending them took both cores of a 2-core gateway from its
+event loop (issue 25)."""
 
 T = TypeVar("T")
 
@@ -154,9 +161,9 @@ class Backend(Protocol):
     async def in_thread(self, fn: Callable[[], T], *, heavy: bool = False) -> T:
         """`fn()` in a worker thread (CPU work that releases the GIL, such as a
         tokenizer). Cancellation: waits for `fn` to finish (it cannot be interrupted).
-        `heavy`: in the one heavy lane, one call at a time (the work of a large body,
-        which may take a core for seconds: however many such requests arrive, they take
-        one core, and the event loop's thread keeps the other)."""
+        `heavy`: in the heavy lane, at most `HEAVY_LANE` calls at a time (the work of a
+        large body, which may take a core for seconds: however many such requests
+        arrive, they leave a core to the event loop's thread)."""
         ...
 
     async def sleep_forever(self) -> None:
@@ -287,7 +294,7 @@ class TrioBackend:
         if not heavy:
             return await trio.to_thread.run_sync(fn)
         if self._heavy is None:
-            self._heavy = trio.CapacityLimiter(1)
+            self._heavy = trio.CapacityLimiter(HEAVY_LANE)
         return await trio.to_thread.run_sync(fn, limiter=self._heavy)
 
     async def sleep_forever(self) -> None:
@@ -366,7 +373,7 @@ class AsyncioBackend:
         if not heavy:
             return await asyncio.shield(asyncio.to_thread(fn))
         if self._heavy is None:
-            self._heavy = asyncio.Semaphore(1)
+            self._heavy = asyncio.Semaphore(HEAVY_LANE)
         lane = self._heavy
         await lane.acquire()
         # the lane is the thread's until it ends, even if this wait is cancelled

@@ -272,7 +272,7 @@ async def handle_completion(
                 return
             parse = functools.partial(_parse, body, settings.dialect, chat)
             heavy = len(body) > LARGE_BODY
-            if heavy:  # off the event loop (openai.py), in the one heavy lane
+            if heavy:  # off the event loop (openai.py), in the heavy lane
                 request, messages = await backend.in_thread(parse, heavy=True)
             else:
                 request, messages = parse()

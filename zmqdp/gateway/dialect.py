@@ -103,7 +103,7 @@ class Dialect(Protocol):
 
     A dialect with ``threaded = True`` has `chat_prompt` and `prepare` run in a worker
     thread (they must then be thread-safe): for slow work such as a tokenizer. That of
-    a request whose body is large runs in the one heavy lane (`Backend.in_thread`).
+    a request whose body is large runs in the heavy lane (`backends.HEAVY_LANE` threads).
 
     A dialect may have a `max_prompt_tokens` attribute (an int, or None): the most token
     ids a prompt can have. The gateway then refuses a longer token-id prompt, and a chat
