@@ -378,7 +378,13 @@ class AsyncioBackend:
         await lane.acquire()
         # the lane is the thread's until it ends, even if this wait is cancelled
         future = asyncio.ensure_future(asyncio.to_thread(fn))
-        future.add_done_callback(lambda _: lane.release())
+
+        def done(f: asyncio.Future[T]) -> None:
+            lane.release()
+            if not f.cancelled():
+                f.exception()  # retrieved: no "never retrieved" log if nobody awaits it
+
+        future.add_done_callback(done)
         return await asyncio.shield(future)
 
     async def sleep_forever(self) -> None:
