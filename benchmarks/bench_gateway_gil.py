@@ -1,5 +1,5 @@
 """A victim's stream while hostile clients send the largest bodies and prompts the
-gateway takes, and ones just over (issue 25, findings 3 and 4).
+gateway takes, and ones just over (hostile-peer review, findings 3 and 4).
 
     .venv/bin/python benchmarks/bench_gateway_gil.py [--server hypercorn|uvicorn|both]
         [--seconds 8] [--context 131072] [--attackers 2]

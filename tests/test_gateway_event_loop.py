@@ -1,8 +1,9 @@
 """The gateway's event loop keeps serving while a hostile client's long prompt is
-tokenized or its large body parsed (issue 25, findings 3 and 4), and an engine's finish
-strings cannot grow the metric series (finding 8). Over real HTTP (hypercorn on
-127.0.0.1), in front of tests/fakes/vllm.py's fake engine cores with the real-engine
-suite's tiny model, its context raised to 128k tokens as in the finding.
+tokenized or its large body parsed (a hostile-peer review of the gateway, findings 3
+and 4), and an engine's finish strings cannot grow the metric series (finding 8). Over
+real HTTP (hypercorn on 127.0.0.1, and uvicorn for the parse), in front of
+tests/fakes/vllm.py's fake engine cores with the real-engine suite's tiny model, its
+context raised to 128k tokens as in the finding.
 
 Nothing here times anything: each test synchronizes on events set by the work it
 watches, and asserts that the loop answered `/health` *before* that work was done.

@@ -80,7 +80,7 @@ log = logging.getLogger("zmqdp.gateway")
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 """Bytes: a prompt of 128k token ids in JSON is about 1 MiB. A body of more than 64 KiB
 is parsed in a worker thread (openai.py), but its JSON decode is one call that holds the
-GIL (about 40 ms for 4 MiB): a larger limit lets one client stall the others longer."""
+GIL (40 to 60 ms for 4 MiB): a larger limit lets one client stall the others longer."""
 
 DEFAULT_MAX_COLLECTED_TOKENS = 1 << 17
 """Tokens: the longest non-streaming answer the gateway collects (131072, a long

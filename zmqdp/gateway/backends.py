@@ -64,7 +64,7 @@ HEAVY_LANE = max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_geta
 """Worker threads of the heavy lane (`Backend.in_thread`): the cores this process may
 run on, but one (1 on a 2-core machine). Tokenizing a 2 MiB prompt takes a core for
 seconds; two hostile clients sending them took both cores of a 2-core gateway from its
-event loop (issue 25)."""
+event loop."""
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ The request path, in order:
    meanwhile ends the exchange here; nothing was submitted.
 2. **Validate**: the JSON (`openai.parse_completion`; a body of more than
    `openai.LARGE_BODY` bytes in a worker thread, so that the event loop keeps serving
-   the other requests while it is parsed, issue 25), the optional
+   the other requests while it is parsed), the optional
    `X-Data-Parallel-Rank` header (an int >= 0 of at most `MAX_RANK_DIGITS` digits,
    else 400), a non-streaming request's `max_tokens` against `max_collected_tokens`
    (400 naming `max_tokens` past it: stream it instead), then the dialect's `prepare`

@@ -245,9 +245,9 @@ class VllmDialect:
         A text that cannot fit the model is refused before tokenizing (a token stands
         for at most `widest` characters): a 2 MiB prompt takes seconds to tokenize. The
         tokenizer runs in `encode_batch_fast`, which releases the GIL while it works
-        (`encode` does not, in tokenizers 0.23: in the gateway's worker thread it froze
-        the event loop, and every stream, for the whole 2 s of a long prompt; issue
-        25), and skips the character offsets."""
+        (`encode` did not, with tokenizers 0.23 under trio's worker thread: it froze the
+        event loop, and every stream, for the whole 2 s of a long prompt), and skips the
+        character offsets."""
         model = self.model
         length = model.max_model_len
         if length is not None and len(text) > length * model.widest:
