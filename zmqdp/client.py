@@ -72,6 +72,7 @@ from ._dispatch import Dispatcher
 from ._probes import group_health, group_statistics
 from ._transport import NATIVE, GroupDialect, Transport, TransportListener
 from ._util import NoPublicConstructor
+from .fdlimit import raise_open_files_limit
 from .stream import RequestStream
 from .values import (
     ConnectOptions,
@@ -211,6 +212,8 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
             options = ConnectOptions(**kwargs)
         elif kwargs:
             raise TypeError("pass the options either as `options=` or as keywords, not both")
+        if options.raise_fd_limit:
+            raise_open_files_limit()
         listener = _Listener()
         async with dialect.open_transport(url, engines, options, listener) as transport:
             core: GroupCore[RequestStream] = GroupCore(

@@ -341,6 +341,12 @@ class ConnectOptions:
     new handshake; past it, the group is closed for good (`GroupClosed` naming the ranks
     that did not come back, `health().live` False: a liveness probe restarts the host).
     None: the wire's `ready_timeout` default (60 s natively, 600 s for vLLM engines)."""
+    raise_fd_limit: bool = True
+    """Raise the process's soft open-files limit (RLIMIT_NOFILE) to its hard limit on
+    connect, as servers do: libzmq aborts the process when an ipc accept finds the
+    descriptor table full, which about a thousand connections do at the usual soft limit
+    of 1,024 (`zmqdp.fdlimit`; the first connect logs what it did). False: leave the
+    limit as the embedder set it."""
 
     def __post_init__(self) -> None:
         """Refuse what no group could use, before anything is bound."""

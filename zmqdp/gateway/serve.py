@@ -41,6 +41,7 @@ from typing import Any
 
 import trio
 
+from ..fdlimit import raise_open_files_limit
 from .app import (
     DEFAULT_MAX_BUFFERED,
     DEFAULT_MAX_COLLECTED_CHARS,
@@ -48,6 +49,7 @@ from .app import (
     GatewayApp,
     create_app,
 )
+from .connections import ConnectionCap, install_hypercorn_cap, uvicorn_protocol
 
 __all__ = ["add_arguments", "banner", "listen_problem", "run", "serve_hypercorn", "serve_uvicorn"]
 
@@ -185,6 +187,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the most text of a non-streaming answer, characters; past it a 502 (0: no limit)",
     )
     http.add_argument("--access-log", action="store_true", help="log every request")
+    http.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open HTTP connections at most; past it a new one is answered 503 and closed "
+        "(default: what the open-files limit leaves once the engine group's descriptors "
+        "and room for its reconnects are set aside, logged at start; 0: no bound, which "
+        "lets HTTP clients fill the descriptor table: libzmq then aborts the process)",
+    )
+    http.add_argument(
+        "--header-timeout",
+        type=float,
+        default=5.0,
+        help="a connection that does not complete a request head this long after it "
+        "opened or after its last response is closed, s",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -281,9 +300,13 @@ async def serve_hypercorn(
     announce: Callable[[str], None] = _announce,
     access_log: bool = False,
     startup_timeout: float = 70.0,
+    max_connections: int | None = None,
+    header_timeout: float = 5.0,
 ) -> None:
     """Serve `app` with hypercorn's trio worker until a signal drains it (module
-    docstring). `announce` gets the banner once the server listens."""
+    docstring). `announce` gets the banner once the server listens. `max_connections`
+    and `header_timeout`: `--max-connections` and `--header-timeout`
+    (`zmqdp.gateway.connections`)."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -298,6 +321,11 @@ async def serve_hypercorn(
     # hypercorn's default backlog (100) reset connections of a burst of 3000 clients
     # that uvicorn (2048) served; the kernel caps it at somaxconn anyway
     config.backlog = 2048
+    # hypercorn's keep-alive timeout runs from a connection's start, and from each
+    # response, until a request head is complete: the head deadline
+    config.keep_alive_timeout = header_timeout
+    cap = ConnectionCap(max_connections)
+    install_hypercorn_cap(config, cap)
     stop = trio.Event()
     started = False
 
@@ -337,6 +365,7 @@ async def serve_hypercorn(
             binds: list[str] = await nursery.start(server)
             started = True
             if app.group is not None:  # else the startup failed: hypercorn raises it next
+                cap.settle(app.group.size)
                 announce(banner(binds[0], "hypercorn, trio", app))
 
 
@@ -351,9 +380,11 @@ def serve_uvicorn(
     announce: Callable[[str], None] = _announce,
     access_log: bool = False,
     log_level: str = "info",
+    max_connections: int | None = None,
+    header_timeout: float = 5.0,
 ) -> int:
     """Serve `app` with uvicorn until a signal drains it (module docstring); returns the
-    exit status."""
+    exit status. `max_connections` and `header_timeout`: as `serve_hypercorn`'s."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -368,6 +399,8 @@ def serve_uvicorn(
         async def startup(self, sockets: Any = None) -> None:
             self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
+            if app.group is not None:
+                cap.settle(app.group.size)
             if self.started and self.servers and self.servers[0].sockets:
                 bound = self.servers[0].sockets[0].getsockname()
                 announce(banner(f"http://{bound[0]}:{bound[1]}", "uvicorn, asyncio", app))
@@ -411,8 +444,10 @@ def serve_uvicorn(
             await app.wait_drained()
             self.should_exit = True
 
+    cap = ConnectionCap(max_connections)
     config = uvicorn.Config(
         app,
+        http=uvicorn_protocol(cap, header_timeout),
         host=host,
         port=port,
         lifespan="on",
@@ -505,6 +540,13 @@ def _first_leaf(error: BaseException) -> BaseException:
 def run(args: argparse.Namespace) -> int:
     """`python -m zmqdp serve ...`."""
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
+    raise_open_files_limit()  # before anything opens: see zmqdp.fdlimit
+    if args.max_connections is not None and args.max_connections < 0:
+        print("zmqdp serve: --max-connections must be >= 0 (0: no bound)", file=sys.stderr)
+        return 2
+    if not args.header_timeout > 0:
+        print("zmqdp serve: --header-timeout must be > 0", file=sys.stderr)
+        return 2
     problem = listen_problem(args.host, args.port)
     if problem is not None:  # before the group connects: one line, no traceback
         print(f"zmqdp serve: {problem}", file=sys.stderr)
@@ -517,7 +559,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"zmqdp serve: --server uvicorn needs zmqdp.aio: {exc}", file=sys.stderr)
             return 2
         return serve_uvicorn(
-            app, args.host, args.port, access_log=args.access_log, log_level=args.log_level
+            app,
+            args.host,
+            args.port,
+            access_log=args.access_log,
+            log_level=args.log_level,
+            max_connections=args.max_connections,
+            header_timeout=args.header_timeout,
         )
     from hypercorn.utils import LifespanFailureError
 
@@ -530,6 +578,8 @@ def run(args: argparse.Namespace) -> int:
                 args.port,
                 access_log=args.access_log,
                 startup_timeout=args.ready_timeout + 10,
+                max_connections=args.max_connections,
+                header_timeout=args.header_timeout,
             )
         )
     except LifespanFailureError as exc:

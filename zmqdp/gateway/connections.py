@@ -1,0 +1,258 @@
+"""The gateway's bound on open HTTP connections, and its deadline for a request head,
+on hypercorn and on uvicorn.
+
+Why: every HTTP connection takes a descriptor of the process's table, the same table
+libzmq needs when a rank (re)connects to an ipc group URL, and libzmq 4.3.5 aborts the
+process when that accept finds the table full (`zmqdp.fdlimit`). Neither server bounds
+its connections (uvicorn's `limit_concurrency` answers 503 only once a request head is
+complete, so idle or slowloris connections are never counted), and a connection that
+never completes a request never reaches the API key check. So:
+
+* `ConnectionCap` admits at most `limit` connections; past it a new connection is
+  answered ``503 too_many_connections`` at once and closed. By default the limit is
+  what the soft open-files limit leaves once the descriptors in use when the server
+  starts (the engine group's sockets among them) and `headroom` are set aside: room for
+  every rank to reconnect while its old connections close, and for the refused
+  connections' own brief descriptors.
+* a connection must complete a request head within `head_timeout` of its start or of
+  its last response, else it is closed (hypercorn: its `keep_alive_timeout`, which
+  already runs until a request head is complete; uvicorn has no such deadline at all:
+  `uvicorn_protocol` adds one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import trio
+
+from ..fdlimit import current_limit, open_fds
+
+__all__ = ["ConnectionCap", "headroom", "install_hypercorn_cap", "uvicorn_protocol"]
+
+log = logging.getLogger("zmqdp.gateway")
+
+REPORT_EVERY = 10.0
+"""Seconds between two warnings about refused connections."""
+
+
+def headroom(engines: int) -> int:
+    """Descriptors kept free besides those in use at start: a rank holds 3 to 4
+    connections to the client (about 14 descriptors for an embedded mock rank, both
+    ends and its own context), and a restarted rank opens its new ones before the old
+    ones are seen closed; 64 more for the refused connections, logs and the like."""
+    return 64 + 16 * engines
+
+
+class ConnectionCap:
+    """At most `limit` HTTP connections open at once (None: settle it from the
+    open-files limit when the server starts: `settle`; 0: no bound)."""
+
+    def __init__(self, limit: int | None, engines: int = 1) -> None:
+        self.limit = limit
+        self.engines = engines
+        """Ranks to keep room for (`headroom`); the server sets it once the group is up."""
+        self.open = 0
+        self.refused = 0
+        self._reported_refused = 0
+        self._last_report = -REPORT_EVERY
+
+    def settle(self, engines: int | None = None) -> int:
+        """Fix the limit now, if it was not given: called once the server listens (the
+        engine group of `engines` ranks is connected by then, so its descriptors are
+        counted). Logs it."""
+        if engines is not None:
+            self.engines = engines
+        if self.limit is None:
+            limit = current_limit().soft
+            in_use = open_fds()
+            if limit is None or in_use is None:
+                self.limit = 0  # no limit to fit under, or no way to count: no bound
+                log.info("HTTP connections: no bound (the open-files use is unknown here)")
+                return 0
+            kept = in_use + headroom(self.engines)
+            self.limit = max(1, limit - kept)
+            log.info(
+                "HTTP connections: at most %d (open-files limit %d, %d in use, %d kept for "
+                "the engine group's reconnects; --max-connections sets it)",
+                self.limit,
+                limit,
+                in_use,
+                headroom(self.engines),
+            )
+            if self.limit < 64:
+                log.warning(
+                    "the open-files limit (%d) leaves room for only %d HTTP connections; "
+                    "raise it (ulimit -n, systemd LimitNOFILE=)",
+                    limit,
+                    self.limit,
+                )
+        return self.limit
+
+    def admit(self) -> bool:
+        """Count a new connection in, or refuse it (False: answer `refusal()`, close)."""
+        limit = self.limit if self.limit is not None else self.settle()
+        if limit and self.open >= limit:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._last_report >= REPORT_EVERY:
+                log.warning(
+                    "refusing HTTP connections: %d open, the limit (%d refused so far)",
+                    self.open,
+                    self.refused,
+                )
+                self._last_report = now
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+
+    def refusal(self) -> bytes:
+        """The whole answer to a refused connection: a 503 in the OpenAI error shape."""
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"the gateway has {self.open} HTTP connections open, its "
+                    "limit: close idle connections or retry later",
+                    "type": "service_unavailable",
+                    "param": None,
+                    "code": "too_many_connections",
+                }
+            }
+        ).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            f"retry-after: 1\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
+        return head.encode() + body
+
+
+# -- hypercorn (trio) ---------------------------------------------------------------------
+
+
+_CAP_ATTRIBUTE = "zmqdp_connection_cap"
+
+
+def install_hypercorn_cap(config: Any, cap: ConnectionCap) -> None:
+    """Bound the connections of hypercorn's trio worker run with `config`.
+
+    hypercorn has no such option and builds its listeners itself, so its trio worker's
+    connection class is replaced, once per process, by a subclass that looks for a cap
+    on the connection's config: a server started with another config is unchanged."""
+    import hypercorn.trio.run as hypercorn_run
+    from hypercorn.trio.tcp_server import TCPServer
+
+    setattr(config, _CAP_ATTRIBUTE, cap)
+    current = getattr(hypercorn_run, "TCPServer", None)
+    if getattr(current, "zmqdp_capped", False):
+        return
+    if current is not TCPServer:  # pragma: no cover - a hypercorn we do not know
+        raise RuntimeError("hypercorn.trio.run.TCPServer is not hypercorn's: cannot bound it")
+
+    class CappedTCPServer(TCPServer):
+        zmqdp_capped = True
+
+        async def run(self) -> None:
+            cap: ConnectionCap | None = getattr(self.config, _CAP_ATTRIBUTE, None)
+            if cap is None:
+                await super().run()
+                return
+            if not cap.admit():
+                await _refuse_trio(self.stream, cap.refusal())
+                return
+            try:
+                await super().run()
+            finally:
+                cap.release()
+
+    setattr(hypercorn_run, "TCPServer", CappedTCPServer)  # noqa: B010 - not exported
+
+
+async def _refuse_trio(stream: Any, answer: bytes) -> None:
+    """Answer and close a refused connection (an answer this small fits the socket's
+    buffer: the send does not wait for the peer)."""
+    with (
+        trio.move_on_after(1.0),
+        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
+    ):
+        await stream.send_all(answer)
+    await trio.aclose_forcefully(stream)
+
+
+# -- uvicorn (asyncio) --------------------------------------------------------------------
+
+
+def uvicorn_protocol(cap: ConnectionCap, head_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class (its "auto" choice), admitting connections through
+    `cap` and closing one that has no request in progress and completes no request head
+    within `head_timeout` s of its start or of its last response."""
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    base: Any = import_from_string(HTTP_PROTOCOLS["auto"])
+
+    class CappedProtocol(base):  # type: ignore[misc]
+        _refused = False
+        _admitted = False
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_cycle: Any = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            if not cap.admit():
+                self._refused = True
+                transport.write(cap.refusal())
+                transport.close()
+                return
+            self._admitted = True
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            if self._admitted:
+                self._admitted = False
+                cap.release()
+            super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            if not self._refused:
+                super().pause_writing()
+
+        def resume_writing(self) -> None:
+            if not self._refused:
+                super().resume_writing()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_head_deadline()
+
+        def _arm_head_deadline(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_cycle = self.cycle  # a new request head makes a new cycle
+            self._head_timer = self.loop.call_later(head_timeout, self._head_expired)
+
+        def _head_expired(self) -> None:
+            self._head_timer = None
+            cycle = self.cycle
+            idle = cycle is None or cycle.response_complete
+            if cycle is self._head_cycle and idle and not self.transport.is_closing():
+                self.transport.close()
+
+    return CappedProtocol
