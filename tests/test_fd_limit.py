@@ -15,8 +15,10 @@ sockets and real HTTP:
   possible) it answers the connections past its bound 503 ``too_many_connections``,
   on hypercorn and on uvicorn; either way the restarted rank rejoins and a completion
   is served;
-* uvicorn, which has no deadline for a request head, closes a slowloris connection
-  after `--header-timeout`, and not a response that outlasts it.
+* `--max-connections` answers the connection past it 503 and admits one again once
+  another has closed;
+* a slowloris connection is closed after `--header-timeout`, on uvicorn too (which has
+  no deadline for a request head of its own), and a response that outlasts it is not.
 
 Every test has its own `trio.fail_after`; nothing waits on the clock to synchronize
 (the slowloris connections pace their re-opening, as an attacker would).
@@ -350,9 +352,10 @@ async def test_serve_at_hard_limit_1024_refuses_connections_past_its_bound(
 
 
 @pytest.mark.timeout_s(20)
-async def test_uvicorn_closes_a_connection_whose_request_head_never_completes() -> None:
+@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+async def test_a_connection_whose_request_head_never_completes_is_closed(server: str) -> None:
     cmd = [sys.executable, "-m", "zmqdp", "serve", "--mock", "--port", "0"]
-    cmd += ["--server", "uvicorn", "--header-timeout", "0.5", "--step-time", "0.01"]
+    cmd += ["--server", server, "--header-timeout", "0.5", "--step-time", "0.01"]
     serve = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
     try:
         with trio.fail_after(18):
@@ -368,6 +371,47 @@ async def test_uvicorn_closes_a_connection_whose_request_head_never_completes() 
                 async with client.stream("POST", "/v1/completions", json=body) as response:
                     last = [line async for line in response.aiter_lines() if line][-1]
             assert last == "data: [DONE]"
+    finally:
+        serve.terminate()
+        await serve.wait()
+
+
+@pytest.mark.timeout_s(20)
+@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+async def test_max_connections_refuses_the_next_connection_and_admits_after_one_closes(
+    server: str,
+) -> None:
+    cmd = [sys.executable, "-m", "zmqdp", "serve", "--mock", "--port", "0"]
+    cmd += ["--server", server, "--max-connections", "2", "--step-time", "0.01"]
+    serve = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
+    try:
+        with trio.fail_after(18):
+            base = served_url(await read_banner(serve))
+            port = int(base.rsplit(":", 1)[1])
+            request = b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n"
+            first = await trio.open_tcp_stream("127.0.0.1", port)
+            second = await trio.open_tcp_stream("127.0.0.1", port)
+            for stream in (first, second):  # both admitted: each is answered
+                await stream.send_all(request)
+                assert (await stream.receive_some()).startswith(b"HTTP/1.1 200")
+            async with await trio.open_tcp_stream("127.0.0.1", port) as third:
+                answer = b""
+                while chunk := await third.receive_some():
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+            error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+            assert error["code"] == "too_many_connections"
+            await second.aclose()
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                while True:  # the server sees the closed connection go within a round trip
+                    try:
+                        health = await client.get("/health")
+                    except httpx.TransportError:  # refused before its request was read
+                        continue
+                    if health.status_code != 503:
+                        break
+                assert health.status_code == 200
+            await first.aclose()
     finally:
         serve.terminate()
         await serve.wait()

@@ -115,7 +115,7 @@ def run_mock(args: argparse.Namespace) -> int:
     from .mock import MockConfig, MockRejected, merge_faults, parse_fault, run_mock_group
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
-    raise_open_files_limit()  # its ranks' sockets, as a server's: zmqdp.fdlimit
+    raise_open_files_limit(report=False)  # room for many ranks' sockets (zmqdp.fdlimit)
     try:
         ranks = None if args.ranks is None else tuple(int(r) for r in args.ranks.split(","))
         cfg = MockConfig(

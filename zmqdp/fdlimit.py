@@ -79,12 +79,13 @@ def current_limit() -> OpenFilesLimit:
     return OpenFilesLimit(soft_, soft_, hard_)
 
 
-def raise_open_files_limit() -> OpenFilesLimit:
+def raise_open_files_limit(*, report: bool = True) -> OpenFilesLimit:
     """Raise the soft RLIMIT_NOFILE to the hard limit (or, if that is unlimited, to the
     highest the kernel takes) and return what was done. Idempotent and thread-safe; it
     never lowers the limit and never raises an error (a refused raise leaves the limit as
-    it was). The first call in a process logs the outcome: INFO if it raised the limit,
-    WARNING if the soft limit stays below `LOW`."""
+    it was). The first call in a process with `report` logs the outcome: INFO if it
+    raised the limit, WARNING if the soft limit stays below `LOW` (a process that only
+    connects, as the mock's ranks do, risks no abort: it says nothing)."""
     global _reported
     with _lock:
         found = current_limit()
@@ -105,7 +106,7 @@ def raise_open_files_limit() -> OpenFilesLimit:
             soft = target
             break
         result = OpenFilesLimit(found.soft, soft, found.hard)
-        if not _reported:
+        if report and not _reported:
             _reported = True
             _report(result)
         return result

@@ -59,44 +59,57 @@ class ConnectionCap:
         """Ranks to keep room for (`headroom`); the server sets it once the group is up."""
         self.open = 0
         self.refused = 0
-        self._reported_refused = 0
+        self._settled = False
         self._last_report = -REPORT_EVERY
 
     def settle(self, engines: int | None = None) -> int:
-        """Fix the limit now, if it was not given: called once the server listens (the
-        engine group of `engines` ranks is connected by then, so its descriptors are
-        counted). Logs it."""
+        """Fix the limit, if it was not given, and log it: called once the server
+        listens (the engine group of `engines` ranks is connected by then, so its
+        descriptors are counted), or at the first connection if that comes first."""
+        if self._settled:
+            return self.limit or 0
+        self._settled = True
         if engines is not None:
             self.engines = engines
-        if self.limit is None:
-            limit = current_limit().soft
-            in_use = open_fds()
-            if limit is None or in_use is None:
-                self.limit = 0  # no limit to fit under, or no way to count: no bound
-                log.info("HTTP connections: no bound (the open-files use is unknown here)")
-                return 0
-            kept = in_use + headroom(self.engines)
-            self.limit = max(1, limit - kept)
-            log.info(
-                "HTTP connections: at most %d (open-files limit %d, %d in use, %d kept for "
-                "the engine group's reconnects; --max-connections sets it)",
+        soft, in_use = current_limit().soft, open_fds()
+        if soft is None or in_use is None:  # nothing to fit under, or no way to count
+            safe = None
+            if self.limit is None:
+                self.limit = 0
+        else:
+            safe = max(1, soft - in_use - headroom(self.engines))
+            if self.limit is None:
+                self.limit = safe
+        if not self.limit:
+            log.info("HTTP connections: no bound")
+            return 0
+        log.info(
+            "HTTP connections: at most %d (open-files limit %s, %s in use, %d kept for the "
+            "engine group's reconnects; --max-connections sets it)",
+            self.limit,
+            soft,
+            in_use,
+            headroom(self.engines),
+        )
+        if safe is not None and self.limit > safe:
+            log.warning(
+                "--max-connections %d is more than the open-files limit leaves (%d): HTTP "
+                "clients can fill the descriptor table, and libzmq then aborts the process",
                 self.limit,
-                limit,
-                in_use,
-                headroom(self.engines),
+                safe,
             )
-            if self.limit < 64:
-                log.warning(
-                    "the open-files limit (%d) leaves room for only %d HTTP connections; "
-                    "raise it (ulimit -n, systemd LimitNOFILE=)",
-                    limit,
-                    self.limit,
-                )
+        elif self.limit < 64:
+            log.warning(
+                "the open-files limit (%s) leaves room for only %d HTTP connections; raise "
+                "it (ulimit -n, systemd LimitNOFILE=)",
+                soft,
+                self.limit,
+            )
         return self.limit
 
     def admit(self) -> bool:
         """Count a new connection in, or refuse it (False: answer `refusal()`, close)."""
-        limit = self.limit if self.limit is not None else self.settle()
+        limit = self.limit if self._settled else self.settle()
         if limit and self.open >= limit:
             self.refused += 1
             now = time.monotonic()
