@@ -184,8 +184,10 @@ async def test_a_client_told_not_to_leaves_the_open_files_limit_alone(tmp_path: 
 
 class Slowloris:
     """`count` HTTP connections that send half a request head and wait; each re-opens
-    (after `pause` s) once the server closes it. `connected` is set once every one has
-    connected once, `refused` once the server has answered one 503."""
+    once the server closes it, after `pause` s (5 times that after a 503: a refused
+    connection costs the machine a round trip, shared by the server and the test).
+    `connected` is set once every one has connected once, `refused` once the server has
+    answered one 503."""
 
     HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
 
@@ -224,11 +226,12 @@ class Slowloris:
                     answer = await stream.receive_some()
                 except (trio.BrokenResourceError, OSError):
                     pass
-                if answer.startswith(b"HTTP/1.1 503"):
+                refused = answer.startswith(b"HTTP/1.1 503")
+                if refused:
                     self.refusals += 1
                     self.answer = self.answer or answer
                     self.refused.set()
-            await trio.sleep(self.pause)
+            await trio.sleep(5 * self.pause if refused else self.pause)
 
 
 async def started_mock(url: str, rank: int) -> tuple[trio.Process, bytearray]:
