@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,11 @@ from zmqdp.vllm import VllmGroup
 
 T = TypeVar("T")
 
+ROOT = Path(__file__).resolve().parents[2]
+# The engines import tools/realvllm/cpu_moe_plugin from this checkout, ahead of the copy
+# installed in the venv (which only has to supply the entry point): a venv shared by
+# several checkouts then runs each one's own plugin.
+PLUGIN_SRC = ROOT / "tools" / "realvllm" / "cpu_moe_plugin"
 ENGINE_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -42,6 +48,9 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_LEVEL": "INFO",
+    # the plugin asks Linux for AMX in every engine process before its first forward
+    # pass: vLLM's AMX kernels do not, and die with SIGILL without it (see the plugin)
+    "ZMQDP_CPU_AMX": "1",
 }
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 32
@@ -113,6 +122,9 @@ class EngineProcs:
 
     def start(self, rank: int) -> None:
         env = {**os.environ, **ENGINE_ENV}
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(PLUGIN_SRC), os.environ.get("PYTHONPATH", "")) if p
+        )
         if self.moe:
             env["ZMQDP_CPU_MOE"] = "1"
         self.incarnations[rank] += 1
@@ -171,6 +183,16 @@ class EngineProcs:
     def stop_all(self) -> None:
         for rank in list(self.procs):
             self.stop(rank)
+
+    def worker_amx_status(self, rank: int) -> str | None:
+        """What the plugin logged about AMX in the rank's worker process (the one that
+        runs the forward passes; vLLM prefixes its lines ``(Worker... pid=N)``)."""
+        text = self.log_path(rank).read_text(errors="replace")
+        worker = re.search(r"\(Worker\w* pid=(\d+)\)", text)
+        if worker is None:
+            return None
+        found = re.search(rf"zmqdp_cpu_moe: AMX tile data (.+?) in pid {worker[1]}\b", text)
+        return None if found is None else found[1]
 
     def tail(self, lines: int = 30) -> str:
         out = []

