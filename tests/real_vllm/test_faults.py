@@ -29,7 +29,12 @@ most for a stopped engine; at once for a killed one): far below the 30 s silence
 
 @pytest.fixture(scope="module")
 def faulty(vllm_venv: Path, models: Path, engine_logs: Path) -> Iterator[GroupHost]:
-    engines = EngineProcs(vllm_venv, models / "dense", 2, engine_logs / "faults")
+    # Eager engines: this group starts 6 engine processes (4 restarts of rank 1), and
+    # torch.compile's warm-up took 20-40 s of each start here; what these tests check
+    # (fault detection, rejoining) does not depend on it. test_dense runs compiled.
+    engines = EngineProcs(
+        vllm_venv, models / "dense", 2, engine_logs / "faults", extra=("--enforce-eager",)
+    )
     with running_group(engines, ready_timeout=300) as host:
         yield host
 
