@@ -297,9 +297,11 @@ class ConnectOptions:
     routing: Literal["least-loaded", "speed"] = "speed"
     """How an unpinned request's rank is chosen. "speed" (the default): the rank that
     would finish it first, from each rank's step time (measured from the cadence of its
-    outputs) and its capacity (`max_num_seqs` from its handshake info): a slower rank
-    gets requests only when the faster ones are full enough to make them wait longer,
-    and equally fast ranks (within 25 %) share them as least-loaded does.
+    outputs, and counted only once its requests finish: a rank cannot look fast by
+    sending empty outputs) and its capacity (`max_num_seqs` from its handshake info): a
+    slower rank gets requests only when the faster ones are full enough to make them
+    wait longer, and equally fast ranks (within 25 %) share them as least-loaded does.
+    Timing takes a rank at most 2 x its capacity past its least-loaded share.
     "least-loaded": the rank holding the fewest requests (its own count or its last
     load report, whichever is higher), whatever its speed."""
     request_timeout: float | None = None
