@@ -15,13 +15,16 @@ the first checks and reach the deep ones:
 * `mutated_cases`: a valid message (batch, handshake or request body) encoded with
   cbor2, then damaged byte by byte (bit flips, replaced / inserted / deleted bytes,
   truncation, a duplicated slice, two valid messages spliced, a CBOR head rewritten to
-  an indefinite length, a tag or a simple value, huge declared lengths);
+  an indefinite length, a tag or a simple value, huge declared lengths, an item buried
+  under 63 to 100,000 levels of arrays, maps or tags);
 * `structure_cases`: the valid Python value with a nested value, key or container
   replaced by a hostile one (wrong type, bool for int, integers beyond 64 bits,
   NaN/inf, tags, undefined, simple values, non-text keys, 60-70 levels of nesting,
   very long strings), re-encoded with cbor2 (with various encoder options).
 
-The strategies and `exercise` are reused by scripts/fuzz_codec.py for long runs.
+The strategies and `exercise` are reused by scripts/fuzz_codec.py for long runs, and
+`Case`, `same` and the generic mutations by tests/core/test_vllm_codec_fuzz.py (vLLM's
+wire).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import cbor2
+import msgspec
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -349,7 +353,15 @@ SNIPPETS = [
     b"\xa1\x01\x02",  # integer map key
     b"\xa1\x80\x00",  # array map key
     b"\x81" * 70 + b"\x00",  # too deep
+    b"\x81" * 1000 + b"\x00",  # 1 KB: msgspec's recursion limit, not cbor2's
+    b"\xa1\x61a" * 400 + b"\x00",
+    b"\xc0" * 1000 + b"\x00",  # tags in tags
 ]
+DEEP_LEVELS = [63, 64, 65, 500, 997, 998, 999, 1000, 1001, 5000, 100_000]
+"""How deep `_nest_deep` buries an item: around §8's limit (64), around Python's
+recursion limit (1,000: what a decoder that recurses per level dies of), and far past."""
+NEST_PREFIXES = [b"\x81", b"\xa1\x61a", b"\xc0", b"\xd8\x1c", b"\x9f"]
+"""One level each: a one-element array, a one-entry map, two tags, an indefinite array."""
 
 
 def _pos(draw: st.DrawFn, data: bytearray, *, end: bool = False) -> int:
@@ -455,6 +467,15 @@ def _wrap(draw: st.DrawFn, data: bytearray) -> bytearray:
     return bytearray(before) + data + after
 
 
+def _nest_deep(draw: st.DrawFn, data: bytearray) -> bytearray:
+    """Bury one item (or the whole message) under hundreds to 100,000 levels of
+    containers or tags: well-formed CBOR, just deep (an indefinite array stays open)."""
+    at = _head_pos(draw, data) if data else 0
+    prefix = draw(st.sampled_from(NEST_PREFIXES))
+    data[at:at] = prefix * draw(st.sampled_from(DEEP_LEVELS))
+    return data
+
+
 Mutation = Callable[[st.DrawFn, bytearray], bytearray]
 MUTATIONS: list[Mutation] = [
     _flip_bit,
@@ -467,6 +488,7 @@ MUTATIONS: list[Mutation] = [
     _rewrite_head,
     _huge_length,
     _wrap,
+    _nest_deep,
 ]
 
 
@@ -693,20 +715,38 @@ def structure_cases(draw: st.DrawFn, family: str | None = None) -> Case:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Equality that also holds for NaN, and tells apart 1 / 1.0 / True and 0.0 / -0.0."""
-    if type(a) is not type(b):
-        return False
-    if type(a) is float:
-        if math.isnan(a):
-            return math.isnan(b)
-        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
-    if isinstance(a, tuple | list):  # also Output, BadEntry (named tuples)
-        return len(a) == len(b) and all(map(same, a, b))
-    if type(a) is dict:
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    if dataclasses.is_dataclass(a):
-        return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    return bool(a == b)
+    """Equality that also holds for NaN, and tells apart 1 / 1.0 / True and 0.0 / -0.0,
+    field by field in the containers and records the decoders return: tuples, lists
+    and named tuples (BadEntry, VllmError), dicts (keys too, in order), dataclasses,
+    and msgspec Structs (Output, VllmOutput), whose own ``==`` would call a NaN body
+    unequal to itself and ``Output('a', 1)`` equal to ``Output('a', 1.0)``. Iterative:
+    msgspec hands on values nested hundreds deep."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if type(x) is not type(y):
+            return False
+        if type(x) is float:
+            if math.isnan(x) != math.isnan(y):
+                return False
+            if not math.isnan(x) and (x != y or math.copysign(1.0, x) != math.copysign(1.0, y)):
+                return False
+        elif isinstance(x, tuple | list):
+            if len(x) != len(y):
+                return False
+            stack.extend(zip(x, y, strict=True))
+        elif isinstance(x, dict | cbor2.frozendict):
+            if len(x) != len(y):
+                return False
+            for (kx, vx), (ky, vy) in zip(x.items(), y.items(), strict=True):
+                stack += ((kx, ky), (vx, vy))
+        elif isinstance(x, msgspec.Struct):
+            stack.extend((getattr(x, f), getattr(y, f)) for f in type(x).__struct_fields__)
+        elif dataclasses.is_dataclass(x):
+            stack.extend((getattr(x, f.name), getattr(y, f.name)) for f in dataclasses.fields(x))
+        elif x != y:
+            return False
+    return True
 
 
 def _is_count(value: Any) -> bool:
@@ -1022,6 +1062,61 @@ def test_an_add_accepted_at_the_depth_limit_can_be_sent_again() -> None:
     except ProtocolError:
         return  # refused: fine too (and what §8 asks)
     assert msg is not None and decode_request(*encode_request(msg)) == msg
+
+
+def test_same_compares_structs_field_by_field_with_types() -> None:
+    """The oracle of the round trip: a msgspec Struct's own ``==`` (Output's) said a NaN
+    body differs from itself, which stopped a 120k run at input 115,539, and that
+    ``Output('a', 1)`` equals ``Output('a', 1.0)``."""
+    assert same(Output("a", math.nan), Output("a", float("nan")))
+    assert same(Output("a", [math.nan, {"k": math.nan}]), Output("a", [math.nan, {"k": math.nan}]))
+    assert not same(Output("a", 1), Output("a", 1.0))
+    assert not same(Output("a", 1), Output("a", True))
+    assert not same(Output("a", 0.0), Output("a", -0.0))
+    assert not same(Output("a", None, "stop"), Output("a", None, "length"))
+    assert not same({"a": 1}, {"b": 1}) and not same({1: "x"}, {1.0: "x"})
+    deep: list[Any] = [[], []]
+    for _ in range(5000):  # iterative: msgspec hands on values this deep
+        deep = [[deep[0]], [deep[1]]]
+    assert same(deep[0], deep[1])
+
+
+def _request_decoder(kind: bytes) -> Callable[[bytes], Any]:
+    return lambda data: decode_request(kind, data)
+
+
+NATIVE_DECODERS: dict[str, Callable[[bytes], Any]] = {
+    "cbor.loads": cbor.loads,
+    "decode_batch": decode_batch,
+    "decode_handshake": decode_handshake,
+    **{f"decode_request {k.hex()}": _request_decoder(k) for k in KNOWN_KINDS},
+    "BatchDecoder": lambda data: _stepped(data, 4, 64, 1),
+}
+
+
+@pytest.mark.parametrize("levels", [65, 1000, 100_000])
+@pytest.mark.parametrize("prefix", NEST_PREFIXES, ids=["array", "map", "tag", "tag 28", "indef"])
+@pytest.mark.parametrize("decoder", NATIVE_DECODERS)
+def test_deep_nesting_is_a_protocol_error_in_every_native_decoder(
+    decoder: str, prefix: bytes, levels: int
+) -> None:
+    """cbor2 stops at §8's 64 levels (tags count): the message that ends a msgspec
+    decoder (1,000 levels, 1 KB) is refused here at once, at the top level and inside
+    a batch's entry, and from deep in the caller's stack."""
+    decode = NATIVE_DECODERS[decoder]
+    top = prefix * levels + b"\x00"
+    inside = b"\xa2\x64rank\x00\x67outputs\x81\xa2\x62id\x61a\x64body" + top
+
+    def at_depth(n: int, data: bytes) -> None:
+        if n:
+            return at_depth(n - 1, data)
+        with pytest.raises(ProtocolError):
+            decode(data)
+        return None
+
+    for data in (top, inside):
+        at_depth(0, data)
+        at_depth(800, data)
 
 
 # -- long batches: decoded in steps, sliced -----------------------------------------------
