@@ -34,13 +34,13 @@ wave clock; `utility_output` becomes a `Reply`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
-from .._core.errors import ProtocolError, quote
+from .._core.errors import QUOTE_LIMIT, ProtocolError, quote
 from .._core.messages import BadEntry, Load, Output, OutputBatch, Reply
 
 __all__ = [
@@ -89,6 +89,28 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetiti
 _encoder = msgspec.msgpack.Encoder()
 _encode = _encoder.encode
 _any_decoder = msgspec.msgpack.Decoder()
+
+_T = TypeVar("_T")
+
+
+def _msgspec(decode: Callable[[Any], _T], data: Any, what: str) -> _T:
+    """`decode(data)` (a msgspec decoder's `decode`, or `msgspec.convert`), made total:
+    anything it raises becomes `ProtocolError` whose cause starts with `what`.
+
+    The one gate for peer bytes on this wire. msgspec raises `DecodeError` and
+    `ValidationError` for what is not msgpack or not the type, but `RecursionError` for
+    deep nesting (about 1,000 levels, fewer from deeper in the stack): callers that
+    caught `DecodeError` let one 1 KB message end a group."""
+    try:
+        return decode(data)
+    except RecursionError:
+        raise ProtocolError(f"{what}: nested too deeply for msgspec") from None
+    except Exception as exc:  # DecodeError, ValidationError, whatever else msgspec raises
+        detail = str(exc)  # a ValidationError names the path: 1,000 levels are long
+        if len(detail) > QUOTE_LIMIT:
+            detail = f"{detail[:QUOTE_LIMIT]}..."
+        raise ProtocolError(f"{what}: {detail}") from None
+
 
 _SAMPLING_EPS = 1e-5
 _MAX_TEMP = 1e-2
@@ -373,10 +395,7 @@ class _Hello(msgspec.Struct):
 def decode_hello(body: bytes) -> dict[str, Any]:
     """A handshake message (HELLO or READY) as a map with a str `status`; raises
     `ProtocolError` for anything else."""
-    try:
-        msg = _any_decoder.decode(body)
-    except (msgspec.DecodeError, ValueError) as exc:
-        raise ProtocolError(f"handshake message is not msgpack: {exc}") from None
+    msg = _msgspec(_any_decoder.decode, body, "handshake message is not msgpack")
     if type(msg) is not dict or type(msg.get("status")) is not str:
         raise ProtocolError(f"handshake message is not a map with a status: {quote(msg)}")
     return msg
@@ -414,10 +433,7 @@ def decode_ready_response(body: bytes) -> dict[str, Any]:
     an empty payload means "no info", as vLLM's client accepts)."""
     if not body:
         return {}
-    try:
-        msg = _any_decoder.decode(body)
-    except (msgspec.DecodeError, ValueError) as exc:
-        raise ProtocolError(f"ready response is not msgpack: {exc}") from None
+    msg = _msgspec(_any_decoder.decode, body, "ready response is not msgpack")
     if type(msg) is not dict:
         raise ProtocolError(f"ready response is not a map: {quote(msg)}")
     return msg
@@ -546,6 +562,11 @@ _out_decoder = msgspec.msgpack.Decoder(_Out)
 _utility_decoder = msgspec.msgpack.Decoder(_Utility)
 _error_outputs_decoder = msgspec.msgpack.Decoder(_ErrorOutputs)
 _NREASONS = len(FINISH_REASONS)
+_NOT_OUTPUTS = "not an EngineCoreOutputs"
+
+
+def _to_utility(value: Any) -> _Utility:
+    return msgspec.convert(value, _Utility)
 
 
 def _load(stats: Any) -> Load | None:
@@ -573,8 +594,8 @@ def _reply(u: _Utility) -> Reply:
 def _errors(body: bytes) -> dict[str, VllmError]:
     """The `error` of each entry of `body` that has one (vLLM >= 0.33), by request id."""
     try:
-        full = _error_outputs_decoder.decode(body)
-    except Exception:  # a malformed detail (or deep nesting): the finish is still "error"
+        full = _msgspec(_error_outputs_decoder.decode, body, "error detail")
+    except ProtocolError:  # a malformed detail: the finish is still "error"
         return {}
     return {
         o.request_id: VllmError(o.error.code, o.error.message, o.error.retryable)
@@ -614,18 +635,10 @@ def decode_outputs(frames: Sequence[bytes]) -> OutputBatch:
     back in `bad_entries`."""
     if not frames:
         raise ProtocolError("an empty message")
+    body = frames[0]
     try:
-        return _decode_outputs(frames[0])
+        m = _msgspec(_outputs_decoder.decode, body, _NOT_OUTPUTS)
     except ProtocolError:
-        raise
-    except Exception as exc:  # RecursionError (deep nesting), anything msgspec raises
-        raise ProtocolError(f"not an EngineCoreOutputs: {type(exc).__name__}: {exc}") from None
-
-
-def _decode_outputs(body: bytes) -> OutputBatch:
-    try:
-        m = _outputs_decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError):
         # A malformed entry, or one that is not even msgpack-valid inside (a request id
         # that is not UTF-8): each entry alone, so the others of the message still count.
         return _decode_loose(body)
@@ -647,32 +660,29 @@ def _decode_outputs(body: bytes) -> OutputBatch:
 
 def _decode_loose(body: bytes) -> OutputBatch:
     """The slow path for a message with a malformed entry: each entry alone."""
-    try:
-        m = _loose_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise ProtocolError(f"not an EngineCoreOutputs: {exc}") from None
+    m = _msgspec(_loose_decoder.decode, body, _NOT_OUTPUTS)
     if m.engine_index < 0:
         raise ProtocolError(f"engine_index {m.engine_index} is negative")
     bad: list[BadEntry] = []
     good: list[_Out] = []
     for raw in m.outputs:
         try:
-            good.append(_out_decoder.decode(raw))
-        except Exception as exc:
+            good.append(_msgspec(_out_decoder.decode, raw, "output entry"))
+        except ProtocolError as exc:
             try:
-                entry = _any_decoder.decode(raw)
-            except Exception:  # not even its request id is readable: names nothing
+                entry = _msgspec(_any_decoder.decode, raw, "output entry")
+            except ProtocolError:  # not even its request id is readable: names nothing
                 entry = None
             rid = entry[0] if type(entry) is list and entry and type(entry[0]) is str else None
-            bad.append(BadEntry("outputs", rid, str(exc)))
+            bad.append(BadEntry("outputs", rid, exc.cause))
     replies: tuple[Reply, ...] = ()
     if m.utility_output is not None:
         try:
-            replies = (_reply(msgspec.convert(m.utility_output, _Utility)),)
-        except msgspec.ValidationError as exc:
+            replies = (_reply(_msgspec(_to_utility, m.utility_output, "utility output")),)
+        except ProtocolError as exc:
             u = m.utility_output
             cid = u[0] if type(u) is list and u and type(u[0]) is int else None
-            bad.append(BadEntry("replies", cid, str(exc)))
+            bad.append(BadEntry("replies", cid, exc.cause))
     return OutputBatch(
         rank=m.engine_index,
         outputs=_converted(m.engine_index, good, bad, body),
