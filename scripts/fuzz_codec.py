@@ -1,14 +1,15 @@
-"""Long-run codec fuzz: the properties of tests/core/test_codec_fuzz.py, many more examples.
+"""Long-run codec fuzz of both wires: the properties of tests/core/test_codec_fuzz.py
+(zmqdp's CBOR) and tests/core/test_vllm_codec_fuzz.py (vLLM's msgpack), many more examples.
 
-    .venv/bin/python scripts/fuzz_codec.py --examples 100000 [--seed N]
+    .venv/bin/python scripts/fuzz_codec.py --examples 100000 [--seed N] [--wire cbor|vllm]
 
-Runs every property of `tests.core.test_codec_fuzz.PROPERTIES` (arbitrary bytes, byte-level
-mutations of valid messages, hostile values inside valid messages) with an even share
-of `--examples`, and prints, per property and decoder, how many inputs were decoded,
-ignored (an unknown request type) or rejected with `ProtocolError`, the slowest
-decode, and the total wall time. Exits with status 1 if a decoder raised anything but
-`ProtocolError` or a check failed (the failing input is printed in hex, truncated), or
-if a decode of an input under 64 KB took more than a second.
+Runs every property of each wire's `PROPERTIES` (arbitrary bytes, byte-level mutations
+of valid messages, hostile values inside valid messages, deep nesting among them) with
+an even share of `--examples`, and prints, per property and decoder, how many inputs
+were decoded, ignored (an unknown request type) or rejected with `ProtocolError`, the
+slowest decode, and the total wall time. Exits with status 1 if a decoder raised
+anything but `ProtocolError` or a check failed (the failing input is printed in hex,
+truncated), or if a decode of an input under 64 KB took more than a second.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -30,7 +33,26 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 from hypothesis.strategies import SearchStrategy  # noqa: E402
 
-from tests.core.test_codec_fuzz import DECODERS, PROPERTIES, Case, exercise  # noqa: E402
+from tests.core import test_codec_fuzz, test_vllm_codec_fuzz  # noqa: E402
+from tests.core.test_codec_fuzz import Case, Outcome  # noqa: E402
+
+
+class Wire(NamedTuple):
+    """One wire's fuzz: its properties, its decoders, and the function that runs one."""
+
+    properties: dict[str, SearchStrategy[Case]]
+    decoders: Sequence[str]
+    exercise: Callable[..., list[Outcome]]
+
+
+WIRES = {
+    "cbor": Wire(test_codec_fuzz.PROPERTIES, test_codec_fuzz.DECODERS, test_codec_fuzz.exercise),
+    "vllm": Wire(
+        test_vllm_codec_fuzz.PROPERTIES,
+        test_vllm_codec_fuzz.DECODERS,
+        test_vllm_codec_fuzz.exercise,
+    ),
+}
 
 SLOW_SECONDS = 1.0
 SMALL_INPUT = 64 * 1024
@@ -58,9 +80,10 @@ def _describe(case: Case) -> str:
 class Tally:
     """What one property saw: outcomes per decoder, the slowest decode, failures."""
 
-    def __init__(self) -> None:
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
         self.outcomes: Counter[tuple[str, str]] = Counter()
-        self.slowest: dict[str, tuple[float, Case | None]] = {d: (0.0, None) for d in DECODERS}
+        self.slowest: dict[str, tuple[float, Case | None]] = {d: (0.0, None) for d in wire.decoders}
         self.slow: list[tuple[str, float, Case]] = []
         self.failure: tuple[Case, BaseException] | None = None
         self.inputs = 0
@@ -70,14 +93,14 @@ class Tally:
         gc.collect()
         gc.disable()
         try:
-            runs = [exercise(case, round_trip=False) for _ in range(3)]
+            runs = [self.wire.exercise(case, round_trip=False) for _ in range(3)]
         finally:
             gc.enable()
         return min(o.seconds for outcomes in runs for o in outcomes if o.decoder == decoder)
 
     def run(self, case: Case) -> None:
         try:
-            outcomes = exercise(case)
+            outcomes = self.wire.exercise(case)
         except BaseException as exc:
             self.failure = (case, exc)
             raise
@@ -95,16 +118,16 @@ class Tally:
 
 
 def run_property(
-    name: str, strategy: SearchStrategy[Case], examples: int, seed: int | None
+    wire: Wire, strategy: SearchStrategy[Case], examples: int, seed: int | None
 ) -> Tally:
-    tally = Tally()
+    tally = Tally(wire)
 
     def check(case: Case) -> None:
         if tally.failure is None:
             tally.run(case)
             return
         try:  # shrinking: keep the smallest failing input seen
-            exercise(case)
+            wire.exercise(case)
         except BaseException as exc:
             tally.failure = (case, exc)
             raise
@@ -131,34 +154,39 @@ def main(argv: list[str] | None = None) -> int:
         "--examples", type=int, default=100_000, help="total, split evenly across properties"
     )
     parser.add_argument("--seed", type=int, default=None, help="Hypothesis seed")
+    parser.add_argument(
+        "--wire", choices=sorted(WIRES), action="append", help="only this wire (default: both)"
+    )
     args = parser.parse_args(argv)
-    per_property = max(1, args.examples // len(PROPERTIES))
+    wires = [WIRES[w] for w in args.wire or WIRES]
+    properties = [(wire, n, s) for wire in wires for n, s in wire.properties.items()]
+    per_property = max(1, args.examples // len(properties))
 
     started = time.perf_counter()
     tallies: dict[str, Tally] = {}
-    for name, strategy in PROPERTIES.items():
+    for wire, name, strategy in properties:
         t0 = time.perf_counter()
-        tallies[name] = tally = run_property(name, strategy, per_property, args.seed)
+        tallies[name] = tally = run_property(wire, strategy, per_property, args.seed)
         gc.collect()
         print(f"{name}: {tally.inputs} inputs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     wall = time.perf_counter() - started
 
-    header = f"{'property':<18} {'decoder':<17} {'decoded':>8} {'ignored':>8} {'rejected':>9}"
+    header = f"{'property':<20} {'decoder':<27} {'decoded':>8} {'ignored':>8} {'rejected':>9}"
     print(f"{header} {'slowest ms':>11}")
     print("-" * (len(header) + 12))
     failed = False
     for name, tally in tallies.items():
-        for decoder in DECODERS:
+        for decoder in tally.wire.decoders:
             counts = [tally.outcomes[decoder, r] for r in ("decoded", "ignored", "rejected")]
             if not any(counts):
                 continue
             slowest = tally.slowest[decoder][0] * 1000
             print(
-                f"{name:<18} {decoder:<17} {counts[0]:>8} {counts[1]:>8} {counts[2]:>9} "
+                f"{name:<20} {decoder:<27} {counts[0]:>8} {counts[1]:>8} {counts[2]:>9} "
                 f"{slowest:>11.2f}"
             )
         print(
-            f"{name:<18} {'(inputs)':<17} {tally.inputs:>8}"
+            f"{name:<20} {'(inputs)':<27} {tally.inputs:>8}"
             f"   ({tally.noise} slow once, not when timed again)"
         )
     print(f"\ntotal wall time: {wall:.1f} s ({sum(t.inputs for t in tallies.values())} inputs)")
