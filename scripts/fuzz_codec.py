@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     wires = [WIRES[w] for w in args.wire or WIRES]
     properties = [(wire, n, s) for wire in wires for n, s in wire.properties.items()]
-    per_property = max(1, args.examples // len(properties))
+    per_property = max(1, -(-args.examples // len(properties)))  # at least --examples
 
     started = time.perf_counter()
     tallies: dict[str, Tally] = {}

@@ -212,6 +212,7 @@ vllm_arbitrary_cases = st.builds(
     st.just(ALL),
     st.just(b""),
     st.binary(max_size=64) | st.binary(min_size=64, max_size=4096),
+    st.just(False),
 )
 
 # -- byte-level mutations, msgpack-aware -------------------------------------------------
