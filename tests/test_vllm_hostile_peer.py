@@ -49,9 +49,9 @@ async def test_a_deeply_nested_message_is_counted_and_the_group_serves_on(
             )
         finally:
             peer.close()
+        # counted where the native wire counts an undecodable handshake or input message
         stats = group.statistics()
         assert stats.ignored_handshake_messages == before.ignored_handshake_messages + 1
-        assert stats.protocol_errors == before.protocol_errors == 0
         assert group.closed is None
         assert [group.rank_state(r).value for r in (0, 1)] == [RankState.UP, RankState.UP]
         for rank in (0, 1):
