@@ -418,6 +418,7 @@ def test_probes_and_metrics_with_per_rank_series(tmp_path: Path, run: Run) -> No
             "size": 2,
             "inflight": 0,
             "room": None,
+            "recovering": False,
         }
         for rank in (0, 1, 1):
             response = await client.post(

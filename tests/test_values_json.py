@@ -75,6 +75,7 @@ async def test_statistics_and_health_of_a_real_mock_group_round_trip(tmp_path: P
         "size": 2,
         "inflight": 0,
         "room": 8,
+        "recovering": False,
     }
 
 

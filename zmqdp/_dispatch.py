@@ -89,6 +89,16 @@ class Dispatcher:
         self._lost.append((when, rank, self._core.health[rank], cause))
         self.move_deadline(when)
 
+    def pending_cause(self, rank: int) -> str | None:
+        """The cause of a report about `rank`'s current incarnation not judged yet (its
+        successor's handshake completed first: that death is judged by the core now,
+        with this cause rather than a generic one)."""
+        incarnation = self._core.health[rank]
+        for _, r, reported, cause in self._lost:
+            if r == rank and reported is incarnation:
+                return cause
+        return None
+
     def _lost_due(self) -> float:
         return min((entry[0] for entry in self._lost), default=math.inf)
 

@@ -873,6 +873,10 @@ class GroupTransport(TransportBase):
         # The dispatcher reads the output socket with its monitor (`_output_gate`).
         self._output_watch = ConnectionWatch()
         self._output_before: dict[int, set[int]] = {}
+        self._claiming: set[int] = set()
+        """Ranks between their INIT and their death: only they may claim a connection
+        (a dead incarnation's engine may go on sending, and must not claim the rank
+        back before its successor's INIT)."""
         self.output = ZSocketSet([output], gate=self._output_gate, extra=[self._output_monitor.zs])
         self.state = HandshakeState(
             size,
@@ -985,6 +989,7 @@ class GroupTransport(TransportBase):
         self.state.forget(rank, resync=resync)
         self._watch.release(rank)
         self._output_watch.release(rank)
+        self._claiming.discard(rank)
         self._hello_due.pop(rank, None)
         identity = rank_identity(rank)
         self._deferred = [due for due in self._deferred if due[0] != identity]
@@ -1015,6 +1020,7 @@ class GroupTransport(TransportBase):
         are its predecessors', never its own."""
         self._output_watch.release(rank)
         self._output_before[rank] = self._output_watch.open_fds()
+        self._claiming.add(rank)
 
     def _output_gate(self, _member: int) -> Callable[[int, list[bytes]], bool] | None:
         """(Dispatcher, before each drain of the output socket.) Read its monitor; a
@@ -1062,8 +1068,7 @@ class GroupTransport(TransportBase):
         rank = identity_rank(frames[0])
         watch = self._output_watch
         if (
-            rank is None
-            or rank >= self.size
+            rank not in self._claiming
             or watch.owner(fd) == rank
             or fd not in watch
             or fd in self._output_before.get(rank, ())

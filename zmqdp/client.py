@@ -454,6 +454,9 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
     def _rank_up(self, rank: int) -> None:
         state = self._transport.state
+        if self._core.is_up(rank) and (cause := self._dispatcher.pending_cause(rank)):
+            # its predecessor's death, reported and not judged yet: say why it died
+            self._core.on_rank_dead(rank, cause, rejoin=True)
         self._infos[rank] = info = state.info(rank)
         self._core.on_rank_up(
             rank,
