@@ -63,16 +63,12 @@ VICTIM_TOKENS = 300
 
 def model_dir(tmp: Path, context: int) -> Path:
     """A copy of the tiny model with its context set to `context` tokens."""
-    model = tmp / f"tiny-{context}"
-    shutil.copytree(MODEL, model)
-    for name, key in (
-        ("config.json", "max_position_embeddings"),
-        ("tokenizer_config.json", "model_max_length"),
-    ):
-        path = model / name
-        config = json.loads(path.read_text())
-        config[key] = context
-        path.write_text(json.dumps(config))
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import aiperf_smoke
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    model: Path = aiperf_smoke.model_dir(tmp, MODEL, context)
     return model
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ import trio
 
 from tests.fakes.engines import ScriptedEngine
 from tests.fakes.threaded import RUNNERS, EngineThread, Run, loop_runner
+from tools.aiperf_smoke import model_dir
 from zmqdp._core.messages import Output
 from zmqdp.engine import Add
 from zmqdp.gateway import VllmDialect, completions, create_app
@@ -45,18 +45,8 @@ run = pytest.fixture(params=sorted(RUNNERS), name="run")(loop_runner)
 
 
 def long_context_model(tmp: Path) -> Path:
-    """The tiny model with a 128k context (as tools/aiperf_smoke.model_dir makes one)."""
-    model = tmp / "tiny-128k"
-    shutil.copytree(MODEL, model)
-    for name, key in (
-        ("config.json", "max_position_embeddings"),
-        ("tokenizer_config.json", "model_max_length"),
-    ):
-        path = model / name
-        config = json.loads(path.read_text())
-        config[key] = CONTEXT
-        path.write_text(json.dumps(config))
-    return model
+    """The tiny model with a 128k context."""
+    return model_dir(tmp, MODEL, CONTEXT)
 
 
 class Watched:

@@ -66,11 +66,14 @@ def aiperf() -> Path:
     return exe
 
 
-def model_dir(tmp: Path, src: Path = ROOT / "tests" / "data" / "tiny-model") -> Path:
-    """A copy of the model directory `src` in `tmp`, its context raised to 4096 tokens
-    (aiperf's default prompts are about 550; the tests' models have 512). Also used by
-    tests/real_vllm/test_gateway.py and benchmarks/_smg.py."""
-    model = tmp / f"{src.name}-4k"
+def model_dir(
+    tmp: Path, src: Path = ROOT / "tests" / "data" / "tiny-model", context: int = 4096
+) -> Path:
+    """A copy of the model directory `src` in `tmp`, its context raised to `context`
+    tokens (4096 by default: aiperf's default prompts are about 550; the tests' models
+    have 512). Also used by tests/real_vllm/test_gateway.py, benchmarks/_smg.py, and at
+    128k by tests/test_gateway_event_loop.py and benchmarks/bench_gateway_gil.py."""
+    model = tmp / f"{src.name}-{context // 1024}k"
     shutil.copytree(src, model)
     for name, key in (
         ("config.json", "max_position_embeddings"),
@@ -78,7 +81,7 @@ def model_dir(tmp: Path, src: Path = ROOT / "tests" / "data" / "tiny-model") -> 
     ):
         path = model / name
         config = json.loads(path.read_text())
-        config[key] = 4096
+        config[key] = context
         path.write_text(json.dumps(config))
     return model
 
