@@ -167,7 +167,7 @@ _ids = itertools.count()
 
 
 def _body() -> dict[str, Any]:
-    return {"prompt": list(PROMPT.encode()), "max_tokens": TOKENS}  # what MockDialect sends
+    return {"prompt": list(PROMPT.encode()), "max_tokens": TOKENS}  # what MockFrontend sends
 
 
 def _start_profile(path: str | None) -> cProfile.Profile | None:

@@ -1,5 +1,5 @@
 """What the gateway tests share, on trio (tests/test_gateway.py, hypercorn) and on
-asyncio (tests/test_gateway_asyncio.py, uvicorn): an engine and a dialect a test can
+asyncio (tests/test_gateway_asyncio.py, uvicorn): an engine and a frontend a test can
 drive, the SSE reader, the metrics parser, and the client side of the `serve` command's
 SIGTERM drain. httpx runs on both libraries, so the client code here does too.
 """
@@ -21,7 +21,7 @@ from zmqdp._core.messages import Output
 from zmqdp.engine import Abort, Add
 from zmqdp.gateway import CompletionRequest, Piece, Prepared
 
-# -- engines and a dialect a test can drive -------------------------------------------
+# -- engines and a frontend a test can drive -------------------------------------------
 
 
 class TokenEngine(ScriptedEngine):
@@ -46,9 +46,9 @@ class TokenEngine(ScriptedEngine):
             await super().handle(msg)
 
 
-class ScriptDialect:
+class ScriptFrontend:
     """The engine body is the request's own ``"script"`` field (a field the gateway does
-    not know: dialects read `raw`), else ``{"tokens": max_tokens}``; output i is " t{i}".
+    not know: frontends read `raw`), else ``{"tokens": max_tokens}``; output i is " t{i}".
     Every prompt counts as 3 tokens."""
 
     fields = frozenset({"script"})

@@ -34,12 +34,12 @@ from hypercorn.utils import LifespanFailureError
 
 from zmqdp import EngineGroup, GroupStatistics
 from zmqdp.engine import Add
-from zmqdp.gateway import CompletionRequest, GatewayApp, MockDialect, Prepared, create_app
+from zmqdp.gateway import CompletionRequest, GatewayApp, MockFrontend, Prepared, create_app
 from zmqdp.mock import MockConfig
 
 from .gateway_helpers import (
     Metrics,
-    ScriptDialect,
+    ScriptFrontend,
     TokenEngine,
     aborted,
     all_events,
@@ -80,14 +80,14 @@ async def serving(app: GatewayApp, **config_options: Any) -> AsyncIterator[httpx
 async def scripted(
     tmp_path: Path, n: int = 1, *, config: dict[str, Any] | None = None, **kw: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, GatewayApp, list[TokenEngine]]]:
-    """A gateway over `n` `TokenEngine`s (`ScriptDialect`); `kw` go to `create_app`,
+    """A gateway over `n` `TokenEngine`s (`ScriptFrontend`); `kw` go to `create_app`,
     `config` to `serving`."""
     url = f"ipc://{tmp_path}/g"
     async with trio.open_nursery() as nursery:
         engines = [TokenEngine(url, r, n) for r in range(n)]
         for engine in engines:
             nursery.start_soon(engine.run)
-        app = create_app(url, n, dialect=ScriptDialect(), ready_timeout=READY_TIMEOUT, **kw)
+        app = create_app(url, n, frontend=ScriptFrontend(), ready_timeout=READY_TIMEOUT, **kw)
         async with serving(app, **(config or {})) as client:
             yield client, app, engines
         nursery.cancel_scope.cancel()
@@ -256,10 +256,10 @@ async def test_a_bad_request_is_a_400_naming_the_field(
 
 
 async def test_a_dialect_refusal_is_a_400() -> None:
-    class Small(MockDialect):
+    class Small(MockFrontend):
         max_prompt_tokens = 3
 
-    async with serving(create_app(mock=FAST_MOCK, dialect=Small())) as client:
+    async with serving(create_app(mock=FAST_MOCK, frontend=Small())) as client:
         response = await client.post("/v1/completions", json={"prompt": "four", "max_tokens": 1})
     assert response.status_code == 400
     assert "the prompt has 4 tokens" in response.json()["error"]["message"]
@@ -300,11 +300,11 @@ async def test_unknown_routes_and_methods() -> None:
 
 
 async def test_a_failing_dialect_is_a_json_500_naming_the_request() -> None:
-    class Broken(MockDialect):
+    class Broken(MockFrontend):
         def prepare(self, request: CompletionRequest) -> Prepared:
             raise TypeError("a bug in the dialect reading /secret/model.bin")
 
-    app = create_app(mock=FAST_MOCK, dialect=Broken())
+    app = create_app(mock=FAST_MOCK, frontend=Broken())
     async with serving(app) as client:
         response = await client.post("/v1/completions", json={"prompt": "x"})
     assert response.status_code == 500
@@ -323,11 +323,11 @@ async def test_an_unexpected_error_from_a_stream_shows_its_type_only() -> None:
     def broken(_output: Any) -> Any:
         raise RuntimeError("decode failed reading /secret/model.bin prompt=x")
 
-    class Broken(MockDialect):
+    class Broken(MockFrontend):
         def prepare(self, request: CompletionRequest) -> Prepared:
             return dataclasses.replace(super().prepare(request), decode=broken)
 
-    app = create_app(mock=FAST_MOCK, dialect=Broken())
+    app = create_app(mock=FAST_MOCK, frontend=Broken())
     async with serving(app) as client:
         response = await client.post("/v1/completions", json={"prompt": "x"})
     assert response.status_code == 500, response.text
@@ -590,7 +590,7 @@ async def test_an_app_serves_a_group_it_was_given_and_leaves_it_open(tmp_path: P
         engine = TokenEngine(url, 0, 1)
         nursery.start_soon(engine.run)
         async with EngineGroup.connect(url, 1, ready_timeout=READY_TIMEOUT) as group:
-            app = create_app(group=group, dialect=ScriptDialect())
+            app = create_app(group=group, frontend=ScriptFrontend())
             async with serving(app) as client:
                 response = await client.post(
                     "/v1/completions", json={"prompt": "x", "max_tokens": 2}
@@ -686,7 +686,7 @@ async def test_a_startup_failure_is_one_line_naming_the_cause(tmp_path: Path, se
     assert "HandshakeTimeout" in out and "rank 0" in out.split("HandshakeTimeout", 1)[1], out
 
 
-class _VllmTokenDialect:
+class _VllmTokenFrontend:
     """A gateway dialect for a vLLM group (test stand-in for issue 22's real one): a
     token-id prompt becomes a `VllmRequest`, each output's token ids become text."""
 
@@ -712,7 +712,7 @@ async def test_the_gateway_serves_a_group_on_vllms_wire() -> None:
     from tests.test_vllm_group import vllm_group
 
     async with vllm_group(2) as (group, fake):
-        app = create_app(group=group, dialect=_VllmTokenDialect())
+        app = create_app(group=group, frontend=_VllmTokenFrontend())
         async with serving(app) as client:
             response = await client.post(
                 "/v1/completions", json={"prompt": [10, 20], "max_tokens": 3}

@@ -47,7 +47,7 @@ from zmqdp.gateway import GatewayApp, create_app
 from .gateway_helpers import (
     BANNER_END,
     Metrics,
-    ScriptDialect,
+    ScriptFrontend,
     TokenEngine,
     all_events,
     check_sigterm_drain,
@@ -123,13 +123,13 @@ Body = Callable[[httpx.AsyncClient, GatewayApp, EngineThread], Awaitable[None]]
 
 def on_uvicorn(run: Run, tmp_path: Path, body: Body, n: int = 1, **kw: Any) -> None:
     """`body(client, app, engines)` in `run`'s loop, against a gateway on uvicorn over
-    `n` `TokenEngine`s (`ScriptDialect`); `kw` go to `create_app`."""
+    `n` `TokenEngine`s (`ScriptFrontend`); `kw` go to `create_app`."""
     with EngineThread(url_in(tmp_path), n, engine=TokenEngine) as engines:
 
         async def main() -> None:
             engines.attach()
             app = create_app(
-                engines.url, n, dialect=ScriptDialect(), ready_timeout=READY_TIMEOUT, **kw
+                engines.url, n, frontend=ScriptFrontend(), ready_timeout=READY_TIMEOUT, **kw
             )
             async with serving(app) as client:
                 assert isinstance(app.group, AsyncioEngineGroup)  # the asyncio flavour
@@ -513,7 +513,7 @@ def test_an_app_serves_a_group_it_was_given_and_leaves_it_open(tmp_path: Path, r
             async with AsyncioEngineGroup.connect(
                 engines.url, 1, ready_timeout=READY_TIMEOUT
             ) as group:
-                app = create_app(group=group, dialect=ScriptDialect())
+                app = create_app(group=group, frontend=ScriptFrontend())
                 async with serving(app) as client:
                     response = await client.post(
                         "/v1/completions", json={"prompt": "x", "max_tokens": 2}

@@ -29,9 +29,9 @@ from tests.fakes.threaded import RUNNERS, EngineThread, Run, loop_runner
 from tools.aiperf_smoke import model_dir
 from zmqdp._core.messages import Output
 from zmqdp.engine import Add
-from zmqdp.gateway import VllmDialect, completions, create_app
+from zmqdp.gateway import VllmFrontend, completions, create_app
 
-from .gateway_helpers import Metrics, ScriptDialect
+from .gateway_helpers import Metrics, ScriptFrontend
 from .test_gateway import READY_TIMEOUT, serving
 from .test_gateway_asyncio import on_uvicorn
 from .test_vllm_group import vllm_group
@@ -85,10 +85,10 @@ async def test_the_loop_answers_while_a_long_prompt_is_tokenized(tmp_path: Path)
     thread it still froze the event loop (and every stream) for the seconds a 2 MiB
     prompt takes. The gateway now tokenizes with `encode_batch_fast`, which lets go of
     the GIL: `/health` is answered while the tokenizer works."""
-    dialect = VllmDialect(long_context_model(tmp_path))
-    width = dialect.model.widest
-    tokenizer = Watched(dialect.model.tokenizer)
-    dialect.model = dataclasses.replace(dialect.model, tokenizer=tokenizer)
+    frontend = VllmFrontend(long_context_model(tmp_path))
+    width = frontend.model.widest
+    tokenizer = Watched(frontend.model.tokenizer)
+    frontend.model = dataclasses.replace(frontend.model, tokenizer=tokenizer)
     # as long as the cheap check lets through (one token left for the completion): it
     # is tokenized, and then refused for its token count
     words = "the quick brown fox jumps over the lazy dog and 12 more; "
@@ -96,7 +96,7 @@ async def test_the_loop_answers_while_a_long_prompt_is_tokenized(tmp_path: Path)
     prompt = (words * (size // len(words) + 1))[:size]
     async with (
         vllm_group(1) as (group, _),
-        serving(create_app(group=group, dialect=dialect)) as client,
+        serving(create_app(group=group, frontend=frontend)) as client,
         trio.open_nursery() as nursery,
     ):
         answers: list[httpx.Response] = []
@@ -144,7 +144,7 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     runs in a worker thread: here it is held until `/health` has been answered (on
     the loop's own thread, the hold would freeze the loop and `/health` with it)."""
     started, release, parsed = hold_parse(monkeypatch, "parse_chat" if chat else "parse_completion")
-    dialect = VllmDialect(long_context_model(tmp_path))
+    frontend = VllmFrontend(long_context_model(tmp_path))
     if chat:  # more messages than the context has tokens, in 4 MiB
         path, body = "/v1/chat/completions", {"messages": [{"role": "user"}] * 200_000}
     else:  # about 2 million token ids in 4 MiB
@@ -153,7 +153,7 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     assert 3 << 20 < len(data) < 4 << 20
     async with (
         vllm_group(1) as (group, _),
-        serving(create_app(group=group, dialect=dialect)) as client,
+        serving(create_app(group=group, frontend=frontend)) as client,
         trio.open_nursery() as nursery,
     ):
         answers: list[httpx.Response] = []
@@ -217,7 +217,7 @@ async def test_an_engines_finish_strings_cannot_grow_the_metric_series(tmp_path:
         engine = FinishEngine(url, 0, 1)
         nursery.start_soon(engine.run)
         app = create_app(
-            url, 1, dialect=ScriptDialect(), vllm_metric_names=True, ready_timeout=READY_TIMEOUT
+            url, 1, frontend=ScriptFrontend(), vllm_metric_names=True, ready_timeout=READY_TIMEOUT
         )
         async with serving(app) as client:
             for finish in finishes:

@@ -21,7 +21,7 @@ import uvicorn
 from tests.fakes.threaded import RUNNERS, EngineThread, Run, loop_runner, url_in
 from zmqdp.gateway import GatewayApp, create_app
 
-from .gateway_helpers import ScriptDialect, TokenEngine, events, hold
+from .gateway_helpers import ScriptFrontend, TokenEngine, events, hold
 from .helpers import READY_TIMEOUT
 from .test_gateway_asyncio import _Server, on_uvicorn, stats
 
@@ -134,7 +134,7 @@ def test_a_request_cancelled_by_uvicorn_is_answered_503_without_a_traceback(
 
         async def main() -> None:
             engines.attach()
-            app = create_app(engines.url, 1, dialect=ScriptDialect(), ready_timeout=READY_TIMEOUT)
+            app = create_app(engines.url, 1, frontend=ScriptFrontend(), ready_timeout=READY_TIMEOUT)
             config = uvicorn.Config(
                 app,
                 host="127.0.0.1",

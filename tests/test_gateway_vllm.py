@@ -1,4 +1,4 @@
-"""The gateway in front of vLLM engine cores (`VllmDialect`, issue 22): the model
+"""The gateway in front of vLLM engine cores (`VllmFrontend`, issue 22): the model
 directory's tokenizer, incremental detokenization, stop strings checked by the gateway,
 the OpenAI sampling fields as vLLM's `SamplingParams`, and the refusals that keep bad
 input away from the engines. Against tests/fakes/vllm.py's faithful fake engines (real
@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zmqdp._core.messages import Output
-from zmqdp.gateway import GatewayApp, VllmDialect, create_app
-from zmqdp.gateway.vllm_dialect import _Decoder
+from zmqdp.gateway import GatewayApp, VllmFrontend, create_app
+from zmqdp.gateway.vllm_frontend import _Decoder
 from zmqdp.mock import MockConfig
 from zmqdp.vllm import VllmOutput
 
@@ -37,18 +37,18 @@ pytest.importorskip("tokenizers", reason="the vllm extra (tokenizers)")
 MODEL = Path(__file__).parent / "data" / "tiny-model"
 
 
-def dialect() -> VllmDialect:
-    return VllmDialect(MODEL)
+def frontend() -> VllmFrontend:
+    return VllmFrontend(MODEL)
 
 
 def text_of(ids: list[int]) -> str:
-    decoded: str = dialect().model.tokenizer.decode(ids, skip_special_tokens=True)
+    decoded: str = frontend().model.tokenizer.decode(ids, skip_special_tokens=True)
     return decoded
 
 
 async def test_a_text_prompt_is_tokenized_and_the_answer_detokenized() -> None:
     async with vllm_group(2) as (group, fake):
-        app: GatewayApp = create_app(group=group, dialect=dialect(), model="tiny")
+        app: GatewayApp = create_app(group=group, frontend=frontend(), model="tiny")
         async with serving(app) as client:
             response = await client.post(
                 "/v1/completions", json={"prompt": "x", "max_tokens": 6, "temperature": 0}
@@ -68,7 +68,7 @@ async def test_sampling_fields_reach_the_engine_as_vllms_sampling_params() -> No
     fields = {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stop_token_ids": [3]}
     async with (
         vllm_group(1) as (group, fake),
-        serving(create_app(group=group, dialect=dialect())) as client,
+        serving(create_app(group=group, frontend=frontend())) as client,
     ):
         response = await client.post(
             "/v1/completions", json={"prompt": [10, 20], "max_tokens": 2, **fields}
@@ -87,7 +87,7 @@ async def test_a_stop_string_ends_the_answer_before_it_and_aborts_the_request(
     # one step every 10 ms: the 400 tokens would take 4 s, the stop string comes at the
     # fourth, so the request is still running on its rank when the gateway aborts it
     async with vllm_group(1, fake_kw={"step_delay": 0.01}) as (group, fake):
-        async with serving(create_app(group=group, dialect=dialect())) as client:
+        async with serving(create_app(group=group, frontend=frontend())) as client:
             request = {"prompt": "x", "max_tokens": 400, "stop": ["|}"], "stream": stream}
             if stream:
                 async with client.stream("POST", "/v1/completions", json=request) as response:
@@ -136,7 +136,7 @@ async def test_bad_input_is_a_400_and_never_reaches_an_engine(
 ) -> None:
     async with (
         vllm_group(1) as (group, fake),
-        serving(create_app(group=group, dialect=dialect())) as client,
+        serving(create_app(group=group, frontend=frontend())) as client,
     ):
         response = await client.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
@@ -152,7 +152,7 @@ async def test_bad_input_is_a_400_and_never_reaches_an_engine(
 def test_incremental_detokenization_equals_decoding_the_whole(text: str, cuts: list[int]) -> None:
     """Any split of a token sequence into outputs gives the text of the whole sequence
     (multi-byte characters over several byte tokens included)."""
-    d = dialect()
+    d = frontend()
     ids = d.encode(text)
     bounds = sorted({min(c, len(ids)) for c in cuts} | {0, len(ids)})
     decoder = _Decoder(d.model.tokenizer, ())
@@ -170,7 +170,7 @@ def test_incremental_detokenization_equals_decoding_the_whole(text: str, cuts: l
     stop=st.text(alphabet=st.sampled_from("ab xy"), min_size=1, max_size=3),
 )
 def test_stop_strings_end_the_text_at_their_first_occurrence(text: str, stop: str) -> None:
-    d = dialect()
+    d = frontend()
     ids = d.encode(text)
     decoder = _Decoder(d.model.tokenizer, (stop,))
     out_text, finish = "", None
@@ -191,7 +191,7 @@ def test_stop_strings_end_the_text_at_their_first_occurrence(text: str, stop: st
 async def test_chat_renders_the_models_template_and_streams_deltas() -> None:
     async with (
         vllm_group(1) as (group, fake),
-        serving(create_app(group=group, dialect=dialect())) as client,
+        serving(create_app(group=group, frontend=frontend())) as client,
     ):
         messages = [{"role": "user", "content": "x"}]
         response = await client.post(
@@ -202,7 +202,7 @@ async def test_chat_renders_the_models_template_and_streams_deltas() -> None:
     assert body["object"] == "chat.completion"
     rendered = "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
     [add] = fake.engines[0].got("add")
-    assert add[1] == dialect().encode(rendered, special=False)
+    assert add[1] == frontend().encode(rendered, special=False)
     assert body["usage"]["prompt_tokens"] == len(add[1])
     assert body["choices"][0]["message"]["content"] == text_of(
         list(range(add[1][-1] + 1, add[1][-1] + 4))
@@ -212,7 +212,7 @@ async def test_chat_renders_the_models_template_and_streams_deltas() -> None:
 async def test_a_chat_without_max_tokens_gets_the_rest_of_the_models_length() -> None:
     async with (
         vllm_group(1) as (group, fake),
-        serving(create_app(group=group, dialect=dialect())) as client,
+        serving(create_app(group=group, frontend=frontend())) as client,
     ):
         response = await client.post(
             "/v1/chat/completions",
@@ -239,10 +239,10 @@ async def test_a_template_that_fails_is_a_400_naming_messages(
     for f in MODEL.iterdir():
         (model / f.name).write_bytes(f.read_bytes())
     (model / "chat_template.jinja").write_text(template)
-    bad = VllmDialect(model)
+    bad = VllmFrontend(model)
     async with (
         vllm_group(1) as (group, fake),
-        serving(create_app(group=group, dialect=bad)) as client,
+        serving(create_app(group=group, frontend=bad)) as client,
     ):
         response = await client.post(
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
@@ -257,7 +257,7 @@ async def test_a_template_that_fails_is_a_400_naming_messages(
 
 
 def test_a_prompt_too_long_for_the_model_is_refused_before_tokenizing() -> None:
-    d = dialect()
+    d = frontend()
     limit = 512 * d.model.widest
     with pytest.raises(ValueError, match="maximum context length"):
         d.encode("x" * (limit + 1))
@@ -265,21 +265,21 @@ def test_a_prompt_too_long_for_the_model_is_refused_before_tokenizing() -> None:
         d.encode("a\ud800")
 
 
-async def test_the_dialects_work_runs_in_a_worker_thread() -> None:
-    """Tokenizing (and rendering a chat) is the dialect's slow work: on the event loop
+async def test_the_frontends_work_runs_in_a_worker_thread() -> None:
+    """Tokenizing (and rendering a chat) is the frontend's slow work: on the event loop
     a 4 MiB prompt held up every other stream for seconds."""
     import threading
 
     seen: list[int] = []
 
-    class Spy(VllmDialect):
+    class Spy(VllmFrontend):
         def prepare(self, request: Any) -> Any:
             seen.append(threading.get_ident())
             return super().prepare(request)
 
     async with (
         vllm_group(1) as (group, _),
-        serving(create_app(group=group, dialect=Spy(MODEL))) as client,
+        serving(create_app(group=group, frontend=Spy(MODEL))) as client,
     ):
         response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert response.status_code == 200
@@ -301,7 +301,7 @@ def test_the_detokenizer_starts_from_the_prompts_tail() -> None:
 
 
 def test_stop_strings_wait_for_min_tokens() -> None:
-    d = dialect()
+    d = frontend()
     decoder = _Decoder(d.model.tokenizer, ("z",), [91], min_tokens=6)
     pieces = [decoder.decode(Output("r", VllmOutput([t]), None)) for t in range(92, 99)]
     text = "".join(p.text for p in pieces)
@@ -320,11 +320,11 @@ def test_hugging_face_template_conventions(tmp_path: Path) -> None:
         "{{ m | tojson }}{% endfor %}"
     )
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    rendered = VllmDialect(model).chat_prompt(({"role": "user", "content": "é<b>"},))
+    rendered = VllmFrontend(model).chat_prompt(({"role": "user", "content": "é<b>"},))
     assert rendered == '<|bos|>{"role": "user", "content": "é<b>"}'
     config["chat_template"] = "{% for %}"  # does not compile: chat is off, not the model
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    broken = VllmDialect(model)
+    broken = VllmFrontend(model)
     assert broken.template_problem is not None and "does not compile" in broken.template_problem
     with pytest.raises(ValueError, match="does not compile"):
         broken.chat_prompt(({"role": "user", "content": "x"},))
@@ -354,7 +354,7 @@ async def test_request_shapes_found_by_the_review(
 ) -> None:
     async with (
         vllm_group(1) as (group, _),
-        serving(create_app(group=group, dialect=dialect())) as client,
+        serving(create_app(group=group, frontend=frontend())) as client,
     ):
         response = await client.post(path, content=json.dumps(body).encode())
     assert response.status_code == code, response.text
@@ -371,10 +371,10 @@ def test_an_api_key_must_be_sendable() -> None:
 async def test_a_client_leaving_mid_detokenization_aborts_its_request_once() -> None:
     """The client goes away while the gateway is between the bytes of a multi-byte
     character (after "yz{|}~" the fakes' ids are byte tokens): the request is aborted on
-    its rank exactly once, the dialect's decoder state goes with it, and the group is
+    its rank exactly once, the frontend's decoder state goes with it, and the group is
     left with nothing in flight."""
     async with vllm_group(1, fake_kw={"step_delay": 0.01}) as (group, fake):
-        app: GatewayApp = create_app(group=group, dialect=dialect())
+        app: GatewayApp = create_app(group=group, frontend=frontend())
         async with serving(app) as client:
             request = {"prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
             async with client.stream("POST", "/v1/completions", json=request) as response:

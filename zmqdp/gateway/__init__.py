@@ -1,4 +1,5 @@
-"""An OpenAI-compatible `/v1/completions` HTTP gateway over an engine group.
+"""An OpenAI-compatible HTTP gateway over an engine group: `/v1/completions`,
+`/v1/chat/completions`, `/v1/models`, the probes and `/metrics` (app.py).
 
     from zmqdp.gateway import create_app
     app = create_app("ipc:///tmp/zmqdp-g1/g", engines=4, max_inflight="info")
@@ -12,7 +13,8 @@ Modules, in the order a request meets them:
 * `app`: the ASGI app, its routes, the lifespan that owns the group, drain;
 * `completions`: the request path, including disconnect handling;
 * `openai`: the OpenAI request validation, response, chunk and error formats;
-* `dialect`: the pluggable translation between OpenAI and an engine's bodies;
+* `frontend`: the pluggable translation between OpenAI and an engine's bodies
+  (`MockFrontend`; `VllmFrontend` in `vllm_frontend`);
 * `errors`: which failure gets which HTTP status;
 * `metrics`: `/metrics`, a Prometheus collector over `statistics()`;
 * `backends`: the little the gateway needs from trio or asyncio;
@@ -22,22 +24,39 @@ Modules, in the order a request meets them:
 Needs the ``gateway`` extra (prometheus-client; hypercorn or uvicorn to serve).
 """
 
+from typing import Any
+
+from ._renamed import renamed
 from .app import GatewayApp, create_app
 from .backends import GroupLike, StreamLike
-from .dialect import CompletionRequest, Dialect, MockDialect, Piece, Prepared
 from .errors import HTTPError
-from .vllm_dialect import VllmDialect
+from .frontend import CompletionRequest, Frontend, MockFrontend, Piece, Prepared
+from .vllm_frontend import VllmFrontend
 
 __all__ = [
     "CompletionRequest",
-    "Dialect",
+    "Frontend",
     "GatewayApp",
     "GroupLike",
     "HTTPError",
-    "MockDialect",
+    "MockFrontend",
     "Piece",
     "Prepared",
     "StreamLike",
-    "VllmDialect",
+    "VllmFrontend",
     "create_app",
 ]
+
+_old = renamed(
+    __name__,
+    {
+        "Dialect": "zmqdp.gateway.frontend.Frontend",
+        "MockDialect": "zmqdp.gateway.frontend.MockFrontend",
+        "VllmDialect": "zmqdp.gateway.vllm_frontend.VllmFrontend",
+    },
+)
+
+
+def __getattr__(name: str) -> Any:
+    """The names from before the frontend rename, deprecated."""
+    return _old(name)

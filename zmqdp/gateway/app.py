@@ -2,9 +2,11 @@
 
 Theory of operation
 -------------------
-Routes: ``POST /v1/completions`` (completions.py), ``GET /v1/models``, ``GET /health``
-(liveness: 200 while the group serves), ``GET /ready`` (readiness: 200 while it takes
-requests and no drain was asked for), ``GET /metrics`` (metrics.py).
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (completions.py; chat
+if the frontend renders one), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET
+/health`` (liveness: 200 while the group serves), ``GET /ready`` (readiness: 200 while
+it takes requests and no drain was asked for), ``GET /metrics`` (metrics.py). With an
+`api_key`, the ``/v1/`` routes need its bearer token.
 
 The lifespan owns the group. At ``lifespan.startup`` the app picks its backend from
 `sniffio.current_async_library()` (trio: `EngineGroup`; asyncio:
@@ -52,6 +54,7 @@ import json
 import logging
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -67,8 +70,8 @@ from prometheus_client import (
 from ..mock import MockConfig
 from .backends import Backend, EventLike, GroupLike, backend_for
 from .completions import CompletionSettings, handle_completion
-from .dialect import Dialect, MockDialect
 from .errors import HTTPError
+from .frontend import Frontend, MockFrontend
 from .http import Exchange, Receive, Scope, Send, header
 from .metrics import GatewayCollector, HTTPCounters
 from .openai import MAX_MODEL_LENGTH
@@ -90,7 +93,7 @@ as the engine generates. Past it: 400 up front (`max_tokens`), 502 at run time."
 
 DEFAULT_MAX_COLLECTED_CHARS = 1 << 22
 """Characters of text a non-streaming answer collects at most (4 Mi, 32 per token of
-`DEFAULT_MAX_COLLECTED_TOKENS`): bounds a dialect whose outputs carry much text."""
+`DEFAULT_MAX_COLLECTED_TOKENS`): bounds a frontend whose outputs carry much text."""
 
 DEFAULT_MAX_BUFFERED = 4096
 """Outputs a request's stream holds for a client that does not read (`max_buffered` of
@@ -104,7 +107,7 @@ def create_app(
     *,
     group: GroupLike | None = None,
     mock: MockConfig | None = None,
-    dialect: Dialect | None = None,
+    frontend: Frontend | None = None,
     wire: Any = None,
     model: str | Sequence[str] = "zmqdp",
     api_key: str | None = None,
@@ -116,9 +119,11 @@ def create_app(
     max_body_size: int = DEFAULT_MAX_BODY_SIZE,
     max_collected_tokens: int | None = DEFAULT_MAX_COLLECTED_TOKENS,
     max_collected_chars: int | None = DEFAULT_MAX_COLLECTED_CHARS,
+    dialect: Frontend | None = None,
     **connect_options: Any,
 ) -> GatewayApp:
-    """An OpenAI-compatible `/v1/completions` ASGI app over an engine group.
+    """An OpenAI-compatible ASGI app (completions, chat completions, models, probes and
+    metrics: app.py) over an engine group.
 
     The app connects to `url` and `engines` ranks at lifespan startup with
     `connect_options` (`ready_timeout`, `silence_timeout`, `max_inflight`,
@@ -130,8 +135,8 @@ def create_app(
     if `url` is None. `group`: serve an already connected group instead (the caller
     owns it: give no `url`, `engines`, `mock` or connect options).
 
-    `dialect` translates requests and outputs (default `MockDialect`, the mock engine's
-    bodies; `VllmDialect(MODEL_DIR)` for vLLM engine cores, with `wire=` a
+    `frontend` translates requests and outputs (default `MockFrontend`, the mock engine's
+    bodies; `VllmFrontend(MODEL_DIR)` for vLLM engine cores, with `wire=` a
     `zmqdp.vllm.dialect(moe=...)`: the engine protocol of the group the app connects,
     native by default); `model`: the name the model is served under, or several (vLLM's
     `--served-model-name`): the first names it in responses to requests without one, a
@@ -154,7 +159,16 @@ def create_app(
     aborted on its rank and answered 502 `response_too_large`, naming the request and
     the limit. `max_collected_chars` (default `DEFAULT_MAX_COLLECTED_CHARS`, 4 Mi; None:
     no limit): the same 502 for an answer whose text grows past this many characters.
+
+    `dialect`: the old name of `frontend`, deprecated (the wire's dialect is `wire`).
     """
+    if dialect is not None:
+        if frontend is not None:
+            raise TypeError("create_app: give frontend=, not also its deprecated name dialect=")
+        warnings.warn(
+            "create_app(dialect=...) is deprecated: use frontend=", DeprecationWarning, stacklevel=2
+        )
+        frontend = dialect
     if group is not None:
         if url is not None or engines is not None or mock is not None or connect_options:
             raise ValueError("create_app(group=...) serves that group: no url, engines or mock")
@@ -191,7 +205,7 @@ def create_app(
         if limit is not None and limit < 1:
             raise ValueError(f"{name} must be >= 1 or None")
     settings = CompletionSettings(
-        dialect=MockDialect() if dialect is None else dialect,
+        frontend=MockFrontend() if frontend is None else frontend,
         model=served[0],
         served=served,
         queue_timeout=queue_timeout,

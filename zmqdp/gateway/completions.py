@@ -1,4 +1,5 @@
-"""`POST /v1/completions`: one HTTP request, one engine request.
+"""`POST /v1/completions` and `POST /v1/chat/completions`: one HTTP request, one engine
+request.
 
 Theory of operation
 -------------------
@@ -6,13 +7,14 @@ The request path, in order:
 
 1. **Read the body** (up to `max_body_size`, else 413). A client that goes away
    meanwhile ends the exchange here; nothing was submitted.
-2. **Validate**: the JSON (`openai.parse_completion`; a body of more than
-   `openai.LARGE_BODY` bytes in a worker thread, so that the event loop keeps serving
-   the other requests while it is parsed), the optional
-   `X-Data-Parallel-Rank` header (an int >= 0 of at most `MAX_RANK_DIGITS` digits,
+2. **Validate**: the JSON (`openai.parse_completion`, or `openai.parse_chat`; a body of
+   more than `openai.LARGE_BODY` bytes in a worker thread, so that the event loop keeps
+   serving the other requests while it is parsed), the optional `X-Data-Parallel-Rank`
+   header (an int >= 0 of at most `MAX_RANK_DIGITS` digits,
    else 400), a non-streaming request's `max_tokens` against `max_collected_tokens`
-   (400 naming `max_tokens` past it: stream it instead), then the dialect's `prepare`
-   (its `ValueError` is a 400). Still nothing submitted.
+   (400 naming `max_tokens` past it: stream it instead), then the frontend's `prepare`
+   (a chat's prompt rendered first by its `chat_prompt`; in a worker thread for a
+   `threaded` frontend; its `ValueError` is a 400). Still nothing submitted.
 3. **Race the response against the disconnect watcher and the stop** (`backend.race`).
    From here on the `receive` callable says nothing but `http.disconnect`, and a
    watcher task waits for it; another waits for `GatewayApp.stop_now()`; the response
@@ -80,8 +82,8 @@ from typing import Any
 from .._core.errors import ZmqdpError
 from ..values import Request
 from .backends import Backend, EventLike, GroupLike, StreamLike
-from .dialect import CompletionRequest, Dialect, Prepared
 from .errors import HTTPError, http_error
+from .frontend import CompletionRequest, Frontend, Prepared
 from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_disconnect
 from .metrics import HTTPCounters
 from .openai import (
@@ -109,14 +111,14 @@ MAX_RANK_DIGITS = 9
 of a longer one costs more (past 4300 digits it raises `ValueError`)."""
 
 MESSAGE_QUOTE = 500
-"""Characters of a dialect's error message that an error body quotes at most."""
+"""Characters of a frontend's error message that an error body quotes at most."""
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CompletionSettings:
-    dialect: Dialect
+    frontend: Frontend
     model: str
     """The `model` of responses to requests that name none (the first served name)."""
     served: tuple[str, ...]
@@ -187,36 +189,36 @@ async def _until_stopped(
 
 
 def _parse(
-    body: bytes, dialect: Any, chat: bool
+    body: bytes, frontend: Any, chat: bool
 ) -> tuple[CompletionRequest, tuple[dict[str, str], ...] | None]:
     """The request, and a chat's messages (its prompt is rendered later, `_prepare`).
-    A dialect's `max_prompt_tokens` bounds a prompt's token ids and a chat's messages
+    A frontend's `max_prompt_tokens` bounds a prompt's token ids and a chat's messages
     before they are looked at one by one (openai.py)."""
-    fields: frozenset[str] = getattr(dialect, "fields", frozenset())
-    limit: int | None = getattr(dialect, "max_prompt_tokens", None)
+    fields: frozenset[str] = getattr(frontend, "fields", frozenset())
+    limit: int | None = getattr(frontend, "max_prompt_tokens", None)
     if not chat:
         return parse_completion(body, fields, max_prompt_tokens=limit), None
-    if getattr(dialect, "chat_prompt", None) is None:
+    if getattr(frontend, "chat_prompt", None) is None:
         raise HTTPError(
             404,
             "invalid_request_error",
             "not_found",
-            "this server's engine dialect renders no chat: use /v1/completions",
+            "this server's frontend renders no chat: use /v1/completions",
         )
     return parse_chat(body, fields, max_prompt_tokens=limit)
 
 
 def _prepare(
-    dialect: Dialect,
+    frontend: Frontend,
     request: CompletionRequest,
     messages: tuple[dict[str, str], ...] | None,
     request_id: str,
 ) -> tuple[CompletionRequest, Prepared]:
-    """Render a chat's prompt and prepare the engine request: the dialect's work, in a
-    worker thread for a dialect that says it is slow (`threaded`: a tokenizer)."""
+    """Render a chat's prompt and prepare the engine request: the frontend's work, in a
+    worker thread for a frontend that says it is slow (`threaded`: a tokenizer)."""
     if messages is not None:
         try:
-            prompt = dialect.chat_prompt(messages)  # type: ignore[attr-defined]
+            prompt = frontend.chat_prompt(messages)  # type: ignore[attr-defined]
         except ValueError as exc:
             raise HTTPError(
                 400,
@@ -227,18 +229,18 @@ def _prepare(
             ) from None
         request = dataclasses.replace(request, prompt=prompt)
     try:
-        return request, dialect.prepare(request)
+        return request, frontend.prepare(request)
     except ValueError as exc:
         raise HTTPError(
             400, "invalid_request_error", "invalid_request", str(exc)[:MESSAGE_QUOTE]
         ) from None
-    except Exception as exc:  # a dialect bug: a JSON 500, logged, never a bare one
-        log.error("request %r: the dialect failed: %r", request_id, exc, exc_info=exc)
+    except Exception as exc:  # a frontend bug: a JSON 500, logged, never a bare one
+        log.error("request %r: the frontend failed: %r", request_id, exc, exc_info=exc)
         raise HTTPError(
             500,
             "internal_error",
             "dialect_failed",
-            f"request {request_id!r}: the dialect failed ({type(exc).__name__}); "
+            f"request {request_id!r}: the frontend failed ({type(exc).__name__}); "
             "the gateway's log has the details",
         ) from None
 
@@ -256,8 +258,8 @@ async def handle_completion(
     chat: bool = False,
 ) -> None:
     """Serve one `POST /v1/completions` (module docstring), or with `chat` one `POST
-    /v1/chat/completions` (the dialect renders the messages into the prompt:
-    `Dialect.chat_prompt`). `stopping`: set by `GatewayApp.stop_now()`."""
+    /v1/chat/completions` (the frontend renders the messages into the prompt:
+    `Frontend.chat_prompt`). `stopping`: set by `GatewayApp.stop_now()`."""
     exchange = Exchange(send, "chat" if chat else "completions", counters)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     exchange.headers.append((b"x-request-id", request_id.encode()))
@@ -270,7 +272,7 @@ async def handle_completion(
             if body is None:
                 counters.disconnects[exchange.route] += 1
                 return
-            parse = functools.partial(_parse, body, settings.dialect, chat)
+            parse = functools.partial(_parse, body, settings.frontend, chat)
             heavy = len(body) > LARGE_BODY
             if heavy:  # off the event loop (openai.py), in the heavy lane
                 request, messages = await backend.in_thread(parse, heavy=True)
@@ -287,8 +289,8 @@ async def handle_completion(
                 )
             rank = _rank(scope)
             _check_collected(request, settings)
-            work = functools.partial(_prepare, settings.dialect, request, messages, request_id)
-            if getattr(settings.dialect, "threaded", False):
+            work = functools.partial(_prepare, settings.frontend, request, messages, request_id)
+            if getattr(settings.frontend, "threaded", False):
                 request, prepared = await backend.in_thread(work, heavy=heavy)
             else:
                 request, prepared = work()
@@ -448,7 +450,7 @@ class _Response:
                 if not self.first and tokens:
                     self.first = time.perf_counter()
                 if out.finish is not None or piece.finish_reason is not None:
-                    # (a dialect's finish before the engine's: a stop string; leaving the
+                    # (a frontend's finish before the engine's: a stop string; leaving the
                     # stream's block aborts the request on its rank)
                     finish = piece.finish_reason or "stop"
                     break

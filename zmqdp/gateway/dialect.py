@@ -1,163 +1,30 @@
-"""Dialects: how an OpenAI completion request becomes an engine request body, and how
-the engine's outputs become text.
+"""Deprecated: the gateway's dialect is now its frontend (`zmqdp.gateway.frontend`).
 
-Why a dialect
--------------
-zmqdp carries opaque bodies (docs/protocol.md §8): what an ADD says and what an output
-holds is between the application and its engines. The gateway is the application here,
-and it speaks OpenAI on one side and one engine's body format on the other. A dialect is
-that translation, and nothing else: the HTTP handling, admission, disconnects, errors and
-metrics stay the same for every engine.
-
-The interface is two calls, kept small on purpose (a vLLM dialect, with a tokenizer and
-an incremental detokenizer, is the next one):
-
-* `Dialect.prepare(request)` -> `Prepared`: validate what this engine needs of the
-  request (raise `ValueError` for the client's mistakes: the gateway answers 400 with the
-  message), and return the engine body, the prompt's token count (for `usage`) and a
-  `decode` function for this one request;
-* `Prepared.decode(output)` -> `Piece`: the text of one output, the completion tokens it
-  stands for, and the OpenAI `finish_reason` of the terminal output. It is called once
-  per output, in order, from one task, so it may keep per-request state (an incremental
-  detokenizer holding back an incomplete UTF-8 sequence, stop strings...).
-
-`decode` must not block: it runs on the event loop, between outputs.
+The old names still work, with a `DeprecationWarning`: `Dialect` is `Frontend`,
+`MockDialect` is `MockFrontend`. (The wire's dialect, `zmqdp.vllm.dialect(...)`, keeps
+its name: it is the protocol the group speaks to its engines.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from .._core.messages import Output
+from ._renamed import renamed
 
-__all__ = ["CompletionRequest", "Dialect", "MockDialect", "Piece", "Prepared"]
-# (`VllmDialect`, for vLLM engine cores with a tokenizer: vllm_dialect.py)
+__all__ = ["CompletionRequest", "Dialect", "MockDialect", "Piece", "Prepared"]  # noqa: F822 (served by __getattr__)
 
-
-@dataclass(frozen=True, slots=True)
-class CompletionRequest:
-    """A `POST /v1/completions` body, validated (`zmqdp.gateway.openai.parse_completion`)."""
-
-    prompt: str | tuple[int, ...]
-    """The one prompt: text, or token ids (a list of one prompt is unwrapped)."""
-    max_tokens: int
-    stream: bool
-    model: str | None
-    user: str | None
-    include_usage: bool
-    """`stream_options.include_usage`: a last chunk with `usage` before `[DONE]`."""
-    raw: Mapping[str, Any]
-    """The request's fields that the dialect reads itself (its `Dialect.fields`:
-    `temperature`, `stop`, `seed`, ...), those sent and not null. Every other field
-    was refused with a 400 unless it had its neutral value (openai.py)."""
-    chat: bool = False
-    """A `/v1/chat/completions` request: `prompt` is what the dialect's
-    `chat_prompt` rendered from its messages."""
-    max_tokens_given: bool = True
-    """False: the client gave no `max_tokens` (a chat request: `max_tokens` is then
-    `openai.DEFAULT_CHAT_MAX_TOKENS`, which a dialect knowing the model's length caps)."""
+_NEW = "zmqdp.gateway.frontend."
+_old = renamed(
+    __name__,
+    {
+        "CompletionRequest": _NEW + "CompletionRequest",
+        "Dialect": _NEW + "Frontend",
+        "MockDialect": _NEW + "MockFrontend",
+        "Piece": _NEW + "Piece",
+        "Prepared": _NEW + "Prepared",
+    },
+)
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """What one engine output adds to the completion."""
-
-    text: str
-    tokens: int = 1
-    """Completion tokens this output stands for (`usage.completion_tokens`)."""
-    finish_reason: str | None = None
-    """The OpenAI finish reason (`"stop"`, `"length"`...) of the terminal output; if a
-    dialect leaves it None there, the gateway says `"stop"`. Set on an output that is
-    not the engine's last (a stop string the dialect found), it ends the response
-    there: later outputs are dropped and the request is aborted on its rank."""
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """One request, ready for the engine."""
-
-    body: Any
-    """The ADD body (any CBOR-able value the engine understands)."""
-    prompt_tokens: int
-    decode: Callable[[Output], Piece]
-    """Called for each output of this request, in order (module docstring)."""
-    request: Callable[[str, int | None], Any] | None = None
-    """Builds the group's request from the gateway's request id and pinned rank, for a
-    group on another wire (a `zmqdp.vllm.VllmRequest`); None: a `zmqdp.Request`
-    carrying `body` (the native wire)."""
-
-
-class Dialect(Protocol):
-    """Translates between OpenAI completions and one engine's bodies (module docstring).
-
-    A dialect may have a `fields` attribute (a frozenset of request field names): the
-    fields it reads from `CompletionRequest.raw` and honours. The gateway refuses any
-    other field it does not read itself (openai.py); no attribute means none.
-
-    A dialect serves `/v1/chat/completions` if it has a method
-    ``chat_prompt(messages) -> str``: the prompt (text, with the chat template's special
-    tokens) rendered from ``({"role": ..., "content": ...}, ...)``; `ValueError` for a
-    conversation it cannot render (400). Without it, chat requests get 404.
-
-    A dialect with ``threaded = True`` has `chat_prompt` and `prepare` run in a worker
-    thread (they must then be thread-safe): for slow work such as a tokenizer. That of
-    a request whose body is large runs in the heavy lane (`backends.HEAVY_LANE` threads).
-
-    A dialect may have a `max_prompt_tokens` attribute (an int, or None): the most token
-    ids a prompt can have. The gateway then refuses a longer token-id prompt, and a chat
-    of more messages, with a 400 before it looks at any element (openai.py)."""
-
-    def prepare(self, request: CompletionRequest) -> Prepared:
-        """The engine body for `request`; `ValueError` (its message goes to the client,
-        status 400) if this engine cannot serve it."""
-        ...
-
-
-class MockDialect:
-    """The mock engine's bodies (`zmqdp.mock`), and a stand-in for any engine that takes
-    token ids and sends one token per output.
-
-    * a text prompt becomes its UTF-8 bytes as token ids (a byte-level "tokenizer":
-      ``"hi"`` -> ``[104, 105]``); a token-id prompt is sent as is;
-    * the body is ``{"prompt": [int, ...], "max_tokens": k}``;
-    * an output ``{"token": n}`` is the text ``f" t{n}"``; an output ``{"text": s}`` is
-      ``s``; any other output is one token with no text;
-    * the engine's finish string is the finish reason (the mock says ``"length"``).
-    """
-
-    max_prompt_tokens: int = 1 << 20
-    fields: frozenset[str] = frozenset()
-    """The mock honours no sampling field: `temperature`, `stop`... are refused."""
-
-    def chat_prompt(self, messages: tuple[Mapping[str, str], ...]) -> str:
-        """A plain transcript, ``"role: content"`` per line, then ``"assistant:"``."""
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join([*lines, "assistant:"])
-
-    def prepare(self, request: CompletionRequest) -> Prepared:
-        prompt = request.prompt
-        try:
-            tokens = prompt.encode() if isinstance(prompt, str) else prompt
-        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in the JSON)
-            raise ValueError(f"'prompt' has no UTF-8 form: {exc.reason} at {exc.start}") from None
-        if len(tokens) > self.max_prompt_tokens:  # checked before a list of ints is made
-            raise ValueError(
-                f"the prompt has {len(tokens)} tokens; this engine takes at most "
-                f"{self.max_prompt_tokens}"
-            )
-        ids = list(tokens)
-        return Prepared({"prompt": ids, "max_tokens": request.max_tokens}, len(ids), _mock_piece)
-
-
-def _mock_piece(output: Output) -> Piece:
-    body = output.body
-    text = ""
-    if isinstance(body, dict):
-        token = body.get("token")
-        if type(token) is int:
-            text = f" t{token}"
-        elif isinstance(body.get("text"), str):
-            text = body["text"]
-    return Piece(text, 1, output.finish)
+def __getattr__(name: str) -> Any:
+    return _old(name)

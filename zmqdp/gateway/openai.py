@@ -1,9 +1,9 @@
-"""The OpenAI wire format of `/v1/completions`: the request's validation, the response
-object, the streaming chunks and the error bodies.
+"""The OpenAI wire format of `/v1/completions` and `/v1/chat/completions`: the
+requests' validation, the response objects, the streaming chunks and the error bodies.
 
-Only what the completions endpoint needs. Every field is accounted for: the gateway's own
+Only what those endpoints need. Every field is accounted for: the gateway's own
 (`GATEWAY_FIELDS`) are checked, and a wrong one is a 400 naming the field (`param`), as
-OpenAI does; the dialect's (`Dialect.fields`: sampling parameters its engine honours) go
+OpenAI does; the frontend's (`Frontend.fields`: sampling parameters its engine honours) go
 to it in `CompletionRequest.raw`; an OpenAI field that neither handles is a 400
 ``unsupported_parameter`` naming it unless it has its neutral value (`NEUTRAL`): a
 server that silently ignores `stop` or `temperature` answers a different question than
@@ -20,7 +20,7 @@ the loop's thread preempts (completions.py). Element counts are bounded before a
 element is looked at: a prompt of more token ids than the model's context
 (`max_prompt_tokens`), or a chat of more messages than that, is a 400 at once. Smaller
 bodies keep `json.loads` (and its messages; it also takes a lone surrogate, which the
-dialect then refuses by name).
+frontend then refuses by name).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 import msgspec
 
-from .dialect import CompletionRequest
 from .errors import HTTPError
+from .frontend import CompletionRequest
 
 __all__ = [
     "DEFAULT_CHAT_MAX_TOKENS",
@@ -60,7 +60,7 @@ DEFAULT_MAX_TOKENS = 16
 """OpenAI's default `max_tokens` for completions."""
 DEFAULT_CHAT_MAX_TOKENS = 4096
 """`max_tokens` of a chat request that gives none (OpenAI: until the model's context is
-full; a dialect that knows the model's length caps it there)."""
+full; a frontend that knows the model's length caps it there)."""
 
 MAX_INT = (1 << 31) - 1
 """The largest `max_tokens` and token id taken: past it a number is a client bug, and
@@ -90,7 +90,7 @@ OPENAI_FIELDS = frozenset(
         "top_p",
     }
 )
-"""The other fields of OpenAI's completions API: a dialect may honour some of them."""
+"""The other fields of OpenAI's completions API: a frontend may honour some of them."""
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
@@ -171,13 +171,13 @@ def _same(value: Any, neutral: Any) -> bool:
     return bool(value == neutral) and (type(value) is bool) == (type(neutral) is bool)
 
 
-def _extra_fields(data: dict[str, Any], dialect_fields: frozenset[str]) -> dict[str, Any]:
-    """The dialect's fields of `data`; `HTTPError` 400 for any field nobody reads."""
+def _extra_fields(data: dict[str, Any], frontend_fields: frozenset[str]) -> dict[str, Any]:
+    """The frontend's fields of `data`; `HTTPError` 400 for any field nobody reads."""
     raw: dict[str, Any] = {}
     for key, value in data.items():
         if key in GATEWAY_FIELDS or value is None:
             continue
-        if key in dialect_fields:
+        if key in frontend_fields:
             raw[key] = value
         elif not any(_same(value, n) for n in NEUTRAL.get(key, ())):
             raise _unsupported(key, value)
@@ -186,14 +186,14 @@ def _extra_fields(data: dict[str, Any], dialect_fields: frozenset[str]) -> dict[
 
 def parse_completion(
     body: bytes,
-    dialect_fields: frozenset[str] = frozenset(),
+    frontend_fields: frozenset[str] = frozenset(),
     *,
     max_prompt_tokens: int | None = None,
 ) -> CompletionRequest:
     """A validated request, or `HTTPError` 400 (invalid JSON, a wrong known field, a
-    field neither the gateway nor the dialect (`dialect_fields`) reads, a prompt of
+    field neither the gateway nor the frontend (`frontend_fields`) reads, a prompt of
     more than `max_prompt_tokens` token ids)."""
-    return _request(_json_object(body), dialect_fields, max_prompt_tokens=max_prompt_tokens)
+    return _request(_json_object(body), frontend_fields, max_prompt_tokens=max_prompt_tokens)
 
 
 _DECODER = msgspec.json.Decoder()
@@ -222,7 +222,7 @@ def _json_object(body: bytes) -> dict[str, Any]:
 
 def _request(
     data: dict[str, Any],
-    dialect_fields: frozenset[str],
+    frontend_fields: frozenset[str],
     *,
     chat: bool = False,
     max_prompt_tokens: int | None = None,
@@ -263,7 +263,7 @@ def _request(
         )
     asked = data.get("max_tokens")
     given = asked is not None
-    # chat without it: as long as the model allows, up to a bound (the dialect caps it)
+    # chat without it: as long as the model allows, up to a bound (the frontend caps it)
     max_tokens: Any = asked if given else DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS
     if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_INT:
         raise _bad(
@@ -297,7 +297,7 @@ def _request(
         if not stream:
             raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
         include_usage = options.get("include_usage") is True
-    raw = _extra_fields(data, dialect_fields)
+    raw = _extra_fields(data, frontend_fields)
     return CompletionRequest(
         prompt, max_tokens, stream, model, user, include_usage, raw, chat, given
     )
@@ -521,12 +521,12 @@ def _messages(data: dict[str, Any], max_messages: int | None = None) -> tuple[di
 
 def parse_chat(
     body: bytes,
-    dialect_fields: frozenset[str] = frozenset(),
+    frontend_fields: frozenset[str] = frozenset(),
     *,
     max_prompt_tokens: int | None = None,
 ) -> tuple[CompletionRequest, tuple[dict[str, str], ...]]:
     """A `/v1/chat/completions` body: its messages, and the rest as a completion request
-    whose prompt the dialect renders from them (`Dialect.chat_prompt`). `HTTPError` 400
+    whose prompt the frontend renders from them (`Frontend.chat_prompt`). `HTTPError` 400
     as `parse_completion`, and for more messages than `max_prompt_tokens`."""
     data = _json_object(body)
     messages = _messages(data, max_prompt_tokens)
@@ -539,7 +539,7 @@ def parse_chat(
         if name in rest and any(_same(rest[name], n) for n in neutral):
             del rest[name]
     rest["prompt"] = "(chat)"
-    return _request(rest, dialect_fields, chat=True), messages
+    return _request(rest, frontend_fields, chat=True), messages
 
 
 def error_body(error: HTTPError) -> bytes:

@@ -260,16 +260,16 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         raise SystemExit("zmqdp serve: give --url URL --engines N, or --mock")
     if args.vllm is not None:
         from .. import vllm
-        from .vllm_dialect import VllmDialect
+        from .vllm_frontend import VllmFrontend
 
         try:
-            dialect = VllmDialect(args.vllm)
+            frontend = VllmFrontend(args.vllm)
         except (OSError, ValueError, Exception) as exc:  # tokenizers raises its own
             raise SystemExit(f"zmqdp serve --vllm {args.vllm}: {exc}") from None
         if args.served_model_name is None and args.model == "zmqdp":
             common["model"] = args.vllm.rstrip("/")  # as vLLM names a model: its path
         wire = vllm.dialect(moe=args.moe)
-        return create_app(args.url, args.engines, dialect=dialect, wire=wire, **common, **options)
+        return create_app(args.url, args.engines, frontend=frontend, wire=wire, **common, **options)
     return create_app(args.url, args.engines, **common, **options)
 
 

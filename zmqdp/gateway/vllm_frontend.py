@@ -1,0 +1,424 @@
+"""`VllmFrontend`: OpenAI completions in front of vLLM engine cores (``vllm serve MODEL
+--headless``), with the model directory's tokenizer, as vLLM's own frontend does it.
+
+Theory of operation
+-------------------
+vLLM's engine cores take token ids and send token ids; everything textual is the
+frontend's (vLLM's `InputProcessor` and `OutputProcessor`). Here, per request:
+
+1. `prepare` tokenizes a text prompt (`tokenizers`, the model's ``tokenizer.json``, with
+   its post-processor: BOS where the model wants one), or checks a token-id prompt: every
+   id must be in the tokenizer's vocabulary (an id past the engine's embedding is fatal
+   to the engine, so it never gets there). The prompt plus `max_tokens` must fit the
+   model's length, as vLLM answers (400). The OpenAI sampling fields become vLLM's
+   `SamplingParams` (`FIELDS`); `stop` strings stay here (the engine only knows stop
+   token ids), and the model's EOS token id goes with the request.
+2. `decode` turns each output's new token ids into text incrementally
+   (`tokenizers.decoders.DecodeStream`: a multi-byte character split over several
+   tokens comes out whole, once its last byte is there; special tokens are skipped).
+3. Stop strings: the text is searched as it grows. Up to the longest stop string minus
+   one character is held back (it may be the start of a stop string the next token
+   completes), so a stop string never reaches the client. On a match the text ends
+   before it (vLLM's default, `include_stop_str_in_output` false) and the piece says
+   ``finish_reason="stop"``: the gateway ends the response there and aborts the
+   request on its rank. The engine's own finish releases what was held back.
+
+`usage.completion_tokens` counts the engine's tokens (those after a stop string
+included, up to the output that completed it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._core.messages import Output
+from .frontend import CompletionRequest, Piece, Prepared
+
+__all__ = ["FIELDS", "MAX_STOP_STRINGS", "VllmFrontend"]
+
+FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+    }
+)
+"""The request fields this frontend honours (OpenAI's, and vLLM's extensions of them)."""
+MAX_STOP_STRINGS = 16
+"""At most this many stop strings per request (OpenAI takes 4)."""
+MAX_STOP_LENGTH = 256
+"""The longest stop string taken (characters)."""
+PRIME_TOKENS = 5
+"""Prompt tokens the detokenizer starts from (vLLM's initial offset)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    tokenizer: Any
+    vocab: int
+    eos_token_id: int | None
+    max_model_len: int | None
+    widest: int
+    """The most characters one token stands for (its vocabulary string's length bounds
+    them: byte-level and SentencePiece pieces are never shorter than their text)."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text())
+    return value if isinstance(value, dict) else {}
+
+
+def _first_int(value: Any) -> int | None:
+    if type(value) is int:
+        return value
+    if isinstance(value, list) and value and type(value[0]) is int:
+        return int(value[0])
+    return None
+
+
+def _number(raw: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
+        raise ValueError(f"'{name}' must be a number from {low:g} to {high:g}, got {value!r:.40}")
+    return float(value)
+
+
+def _integer(raw: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"'{name}' must be an int from {low} to {high}, got {value!r:.40}")
+    return value
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in stops)
+    ):
+        raise ValueError(
+            f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1 "
+            f"to {MAX_STOP_LENGTH} characters"
+        )
+    return tuple(stops)
+
+
+class VllmFrontend:
+    """Completions for vLLM engine cores: `VllmFrontend("/models/tiny")` reads the model
+    directory's ``tokenizer.json`` (and ``config.json``, ``generation_config.json``
+    for the EOS token id and the model length). Serve it with a group from
+    `zmqdp.vllm.connect` (or `python -m zmqdp serve --vllm MODEL_DIR`).
+
+    `max_model_len`: the longest prompt + completion (default: the model's
+    ``max_position_embeddings``, else the tokenizer's ``model_max_length``)."""
+
+    fields = FIELDS
+    threaded = True
+    """The gateway runs `chat_prompt` and `prepare` in a worker thread: tokenizing a
+    long prompt takes long enough to hold up every other request on the event loop (and
+    the tokenizer lets go of the GIL meanwhile: `_encoding`)."""
+
+    def __init__(self, model_dir: str | Path, *, max_model_len: int | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        directory = Path(model_dir)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{directory}: no tokenizer.json (a Hugging Face model directory)")
+        tokenizer = Tokenizer.from_file(str(path))
+        config = _read_json(directory / "config.json")
+        generation = _read_json(directory / "generation_config.json")
+        tokenizer_config = _read_json(directory / "tokenizer_config.json")
+        eos = _first_int(generation.get("eos_token_id"))
+        if eos is None:
+            eos = _first_int(config.get("eos_token_id"))
+        if eos is None and isinstance(tokenizer_config.get("eos_token"), str):
+            eos = tokenizer.token_to_id(tokenizer_config["eos_token"])
+        if max_model_len is None:
+            length = config.get("max_position_embeddings", tokenizer_config.get("model_max_length"))
+            max_model_len = length if type(length) is int and 0 < length < 1 << 40 else None
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.model = _Model(
+            tokenizer,
+            tokenizer.get_vocab_size(with_added_tokens=True),
+            eos,
+            max_model_len,
+            max(1, max((len(piece) for piece in vocab), default=1)),
+        )
+        self._special = {
+            k: _token_text(tokenizer_config.get(k)) for k in ("bos_token", "eos_token")
+        }
+        source = tokenizer_config.get("chat_template")
+        if isinstance(source, list):  # named templates: the "default" one
+            source = next(
+                (
+                    t.get("template")
+                    for t in source
+                    if isinstance(t, dict) and t.get("name") == "default"
+                ),
+                None,
+            )
+        if not isinstance(source, str) and (directory / "chat_template.jinja").is_file():
+            source = (directory / "chat_template.jinja").read_text()
+        self._template: Any = None
+        self.template_problem: str | None = None
+        """Why chat is off for this model (no template, or one that does not compile);
+        completions work either way."""
+        if isinstance(source, str):
+            try:
+                self._template = _compile_template(source)
+            except ValueError as exc:
+                self.template_problem = str(exc)
+        else:
+            self.template_problem = (
+                "this model has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja): use /v1/completions"
+            )
+
+    def chat_prompt(self, messages: tuple[Mapping[str, str], ...]) -> str:
+        """The conversation rendered by the model's chat template (``chat_template`` of
+        ``tokenizer_config.json``, else ``chat_template.jinja``), in a Jinja sandbox
+        (a template cannot reach Python objects), with the generation prompt added, as
+        vLLM and Hugging Face render it. `ValueError` if the model has no template or
+        the template fails (its `raise_exception`, or an error of its own)."""
+        template = self._template
+        if template is None:
+            raise ValueError(self.template_problem or "this model has no chat template")
+        try:
+            rendered: str = template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=True,
+                bos_token=self._special.get("bos_token", ""),
+                eos_token=self._special.get("eos_token", ""),
+            )
+        except Exception as exc:  # the template's own errors, sandbox refusals, anything
+            raise ValueError(
+                f"the model's chat template failed on these messages: {type(exc).__name__}: "
+                f"{str(exc)[:200]}"
+            ) from None
+        return rendered
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.model.eos_token_id
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The most token ids a prompt can have (the model's length; None: unknown). The
+        gateway refuses a longer token-id prompt, or a chat of more messages, before it
+        looks at their elements (openai.py)."""
+        return self.model.max_model_len
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of `text` (`special`: with the tokenizer's BOS/EOS post-processing).
+        `ValueError` for text that cannot fit the model or has no UTF-8 form."""
+        return self._encoding(text, special).ids  # type: ignore[no-any-return]
+
+    def _encoding(self, text: str, special: bool) -> Any:
+        """`text` tokenized (a `tokenizers.Encoding`: its length is the token count,
+        known before a list of ids is made).
+
+        A text that cannot fit the model is refused before tokenizing (a token stands
+        for at most `widest` characters): a 2 MiB prompt takes seconds to tokenize. The
+        tokenizer runs in `encode_batch_fast`, which releases the GIL while it works
+        (`encode` did not, with tokenizers 0.23 under trio's worker thread: it froze the
+        event loop, and every stream, for the whole 2 s of a long prompt), and skips the
+        character offsets."""
+        model = self.model
+        length = model.max_model_len
+        if length is not None and len(text) > length * model.widest:
+            raise ValueError(
+                f"'prompt' has {len(text)} characters: more than this model's maximum context "
+                f"length ({length} tokens) can hold"
+            )
+        try:
+            return model.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0]
+        except TypeError:  # tokenizers' answer to a lone surrogate ("\ud800" in the JSON)
+            raise ValueError("the prompt is not valid Unicode (a lone surrogate)") from None
+
+    def prepare(self, request: CompletionRequest) -> Prepared:
+        from ..vllm import SamplingParams, VllmRequest
+
+        model = self.model
+        prompt = request.prompt
+        length = model.max_model_len
+        max_tokens = request.max_tokens
+        encoding: Any = None
+        if isinstance(prompt, str):
+            # a chat prompt has its special tokens from the template already
+            encoding = self._encoding(prompt, not request.chat)
+            count = len(encoding)
+        else:
+            count = len(prompt)
+        if not count:
+            raise ValueError("'prompt' is empty (no tokens)")
+        if length is not None and not request.max_tokens_given:
+            max_tokens = max(1, min(max_tokens, length - count))  # as vLLM: the rest
+        if length is not None and count + max_tokens > length:
+            # (before a list of ids is made, or each id looked at)
+            raise ValueError(
+                f"this model's maximum context length is {length} tokens; you requested "
+                f"{count + max_tokens} ({count} in the prompt, "
+                f"{max_tokens} in the completion ('max_tokens'))"
+            )
+        if isinstance(prompt, str):
+            ids: list[int] = encoding.ids
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if t >= model.vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"'prompt': token id {bad} is out of vocabulary (the model has "
+                    f"{model.vocab} tokens)"
+                )
+        raw = request.raw
+        stop_ids = raw.get("stop_token_ids", [])
+        if not isinstance(stop_ids, list) or not all(
+            type(t) is int and 0 <= t < model.vocab for t in stop_ids
+        ):
+            raise ValueError(f"'stop_token_ids' must be a list of token ids below {model.vocab}")
+        ignore_eos = raw.get("ignore_eos", False)
+        if type(ignore_eos) is not bool:
+            raise ValueError("'ignore_eos' must be a boolean")
+        options: dict[str, Any] = {
+            "temperature": _number(raw, "temperature", 0.0, 2.0),
+            "top_p": _number(raw, "top_p", 1e-9, 1.0),
+            "min_p": _number(raw, "min_p", 0.0, 1.0),
+            "presence_penalty": _number(raw, "presence_penalty", -2.0, 2.0),
+            "frequency_penalty": _number(raw, "frequency_penalty", -2.0, 2.0),
+            "repetition_penalty": _number(raw, "repetition_penalty", 1e-9, 100.0),
+            "top_k": _integer(raw, "top_k", -1, 1 << 20),
+            "seed": _integer(raw, "seed", -(1 << 63), (1 << 63) - 1),
+            "min_tokens": _integer(raw, "min_tokens", 0, max_tokens),
+        }
+        sampling = SamplingParams(
+            **{k: v for k, v in options.items() if v is not None},
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=ignore_eos,
+        )
+        stops = _stops(raw.get("stop"))
+        eos = model.eos_token_id
+
+        def make(request_id: str, rank: int | None) -> VllmRequest:
+            return VllmRequest(request_id, ids, sampling, eos_token_id=eos, rank=rank)
+
+        min_tokens = options["min_tokens"] or 0
+        decoder = _Decoder(model.tokenizer, stops, ids[-PRIME_TOKENS:], min_tokens)
+        return Prepared(None, len(ids), decoder.decode, make)
+
+
+def _token_text(value: Any) -> str:
+    """A special token of tokenizer_config.json: a string, or an AddedToken map."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _compile_template(source: str) -> Any:
+    """A chat template compiled in Jinja's immutable sandbox, with Hugging Face's
+    conventions: `trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`,
+    `strftime_now`, and `tojson` as `json.dumps` (non-ASCII kept, keys in order)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, indent: int | None = None) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    def strftime_now(format: str) -> str:
+        return datetime.datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ValueError(f"the model's chat template does not compile: {exc}") from None
+
+
+_FINISHES = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class _Decoder:
+    """One request's incremental detokenizer and stop-string check (module docstring,
+    steps 2 and 3)."""
+
+    __slots__ = ("_before", "_held", "_hold", "_step", "_stops", "_stream", "_tokenizer")
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stops: tuple[str, ...],
+        prime: list[int] | None = None,
+        min_tokens: int = 0,
+    ) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        # Primed with the prompt's last tokens, as vLLM's detokenizer starts: a
+        # SentencePiece tokenizer drops the leading space of a text's first token.
+        self._stream = DecodeStream(ids=prime or [], skip_special_tokens=True)
+        self._step: Callable[[Any, int], str | None] = self._stream.step
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._held = ""
+        self._before = min_tokens  # tokens before stop strings count (vLLM's min_tokens)
+
+    def decode(self, output: Output) -> Piece:
+        body = output.body
+        ids = getattr(body, "token_ids", None) or []
+        step, tokenizer = self._step, self._tokenizer
+        text = "".join(piece for t in ids if (piece := step(tokenizer, t)) is not None)
+        finish = output.finish
+        if not self._stops:
+            return Piece(text, len(ids), None if finish is None else _FINISHES.get(finish, finish))
+        held = self._held + text
+        self._before -= len(ids)
+        cut = (
+            min((i for s in self._stops if (i := held.find(s)) >= 0), default=-1)
+            if self._before <= 0
+            else -1
+        )
+        if cut >= 0:
+            self._held = ""
+            return Piece(held[:cut], len(ids), "stop")
+        if finish is not None:
+            self._held = ""
+            return Piece(held, len(ids), _FINISHES.get(finish, finish))
+        keep = len(held) - self._hold
+        if keep <= 0:
+            self._held = held
+            return Piece("", len(ids), None)
+        self._held = held[keep:]
+        return Piece(held[:keep], len(ids), None)
