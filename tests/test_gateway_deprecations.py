@@ -1,6 +1,7 @@
 """The gateway's frontend was its "dialect" (issue 33: the word also names the wire's
-protocol, `zmqdp.vllm.dialect(...)`). The old names keep working, each with a
-`DeprecationWarning` naming the new one; the new names never warn."""
+protocol, `zmqdp.vllm.dialect(...)`), and `mock_command` moved to `zmqdp.mock`. The old
+names keep working, each with a `DeprecationWarning` naming the new one; the new names
+never warn."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import zmqdp.gateway
 from zmqdp.gateway import create_app
 from zmqdp.gateway.frontend import Frontend, MockFrontend
 from zmqdp.gateway.vllm_frontend import FIELDS, VllmFrontend
-from zmqdp.mock import MockConfig
+from zmqdp.mock import MockConfig, mock_command
 
 OLD_NAMES = [
     ("zmqdp.gateway", "Dialect", Frontend, "zmqdp.gateway.frontend.Frontend"),
@@ -24,6 +25,7 @@ OLD_NAMES = [
     ("zmqdp.gateway.dialect", "CompletionRequest", zmqdp.gateway.CompletionRequest, "frontend"),
     ("zmqdp.gateway.vllm_dialect", "VllmDialect", VllmFrontend, "VllmFrontend"),
     ("zmqdp.gateway.vllm_dialect", "FIELDS", FIELDS, "vllm_frontend.FIELDS"),
+    ("zmqdp.gateway.backends", "mock_command", mock_command, "zmqdp.mock.mock_command"),
 ]
 
 

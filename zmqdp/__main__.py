@@ -10,8 +10,12 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import trio
+
+if TYPE_CHECKING:
+    from .mock import MockConfig
 
 
 def _unshadow() -> None:
@@ -110,31 +114,40 @@ def mock_banner(
     )
 
 
+def mock_config(args: argparse.Namespace) -> MockConfig:
+    """The `MockConfig` of `zmqdp mock`'s arguments (`zmqdp.mock.mock_command` is the
+    inverse); `ValueError` for a bad `--fault` or `--ranks`."""
+    from .mock import MockConfig, merge_faults, parse_fault
+
+    ranks = None if args.ranks is None else tuple(int(r) for r in args.ranks.split(","))
+    cfg = MockConfig(
+        engines=args.engines,
+        lockstep=args.lockstep,
+        step_time=args.step_time,
+        max_num_seqs=args.max_num_seqs,
+        sync_interval=args.sync_interval,
+        self_wake=args.self_wake,
+        wave_agreement=not args.no_wave_agreement,
+        skew=args.skew,
+        faults=merge_faults([parse_fault(f) for f in args.fault]),
+        keys=args.keys,
+        ranks=ranks,
+    )
+    if cfg.ranks is not None and cfg.lockstep:
+        raise ValueError("--ranks: lockstep ranks step together: run them all in one process")
+    if cfg.ranks is not None and not all(0 <= r < cfg.engines for r in cfg.ranks):
+        raise ValueError(f"--ranks: each rank must be from 0 to {cfg.engines - 1}")
+    return cfg
+
+
 def run_mock(args: argparse.Namespace) -> int:
     from .fdlimit import raise_open_files_limit
-    from .mock import MockConfig, MockRejected, merge_faults, parse_fault, run_mock_group
+    from .mock import MockRejected, run_mock_group
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
     raise_open_files_limit(report=False)  # room for many ranks' sockets (zmqdp.fdlimit)
     try:
-        ranks = None if args.ranks is None else tuple(int(r) for r in args.ranks.split(","))
-        cfg = MockConfig(
-            engines=args.engines,
-            lockstep=args.lockstep,
-            step_time=args.step_time,
-            max_num_seqs=args.max_num_seqs,
-            sync_interval=args.sync_interval,
-            self_wake=args.self_wake,
-            wave_agreement=not args.no_wave_agreement,
-            skew=args.skew,
-            faults=merge_faults([parse_fault(f) for f in args.fault]),
-            keys=args.keys,
-            ranks=ranks,
-        )
-        if cfg.ranks is not None and cfg.lockstep:
-            raise ValueError("--ranks: lockstep ranks step together: run them all in one process")
-        if cfg.ranks is not None and not all(0 <= r < cfg.engines for r in cfg.ranks):
-            raise ValueError(f"--ranks: each rank must be from 0 to {cfg.engines - 1}")
+        cfg = mock_config(args)
     except ValueError as exc:  # bad --fault or --ranks: one line, like argparse's errors
         print(f"zmqdp mock: error: {exc}", file=sys.stderr)
         return 2
@@ -205,7 +218,10 @@ SERVE_INSTALL_HINT = (
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    help = "serve OpenAI /v1/completions over an engine group (--mock: a mock group)"
+    help = (
+        "serve OpenAI completions, chat completions and models over an engine group "
+        "(--mock: a mock group)"
+    )
     try:
         from .gateway.serve import add_arguments
     except ImportError as exc:  # the gateway extra is not installed

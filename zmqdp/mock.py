@@ -52,7 +52,7 @@ import math
 import subprocess
 import sys
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -79,6 +79,7 @@ __all__ = [
     "MockConfig",
     "MockRejected",
     "RankFaults",
+    "mock_command",
     "mock_process",
     "parse_body",
     "run_mock_group",
@@ -528,6 +529,47 @@ def merge_faults(items: list[tuple[int, RankFaults]]) -> dict[int, RankFaults]:
     return out
 
 
+def _command(url: str, engines: int) -> list[str]:
+    return [sys.executable, "-m", "zmqdp", "mock", "--url", url, "--engines", str(engines)]
+
+
+def mock_command(url: str, config: MockConfig) -> Sequence[str]:
+    """`python -m zmqdp mock ...` for `config` (what its command line can say: a
+    `kv_tokens` other than the default is a `ValueError`). The inverse of the command
+    line's parsing (`parse_fault`): the asyncio gateway runs its mock group with it."""
+    default = MockConfig()
+    if config.kv_tokens != default.kv_tokens:
+        raise ValueError("MockConfig.kv_tokens has no command-line form (python -m zmqdp mock)")
+    cmd = _command(url, config.engines)
+    cmd += ["--step-time", repr(config.step_time), "--max-num-seqs", str(config.max_num_seqs)]
+    cmd += ["--sync-interval", str(config.sync_interval), "--skew", repr(config.skew)]
+    if config.lockstep:
+        cmd.append("--lockstep")
+    if config.self_wake:
+        cmd.append("--self-wake")
+    if not config.wave_agreement:
+        cmd.append("--no-wave-agreement")
+    if config.keys is not None:
+        cmd += ["--keys", config.keys]
+    if config.ranks is not None:
+        cmd += ["--ranks", ",".join(map(str, config.ranks))]
+    none = RankFaults()
+    for rank, faults in sorted(config.faults.items()):
+        for kind, attr in (
+            ("dead", "dead_after"),
+            ("silent", "silent_after"),
+            ("garbage", "garbage"),
+            ("rejoin", "rejoin_after"),
+            ("rejoins", "rejoins"),
+            ("slow", "slow"),
+            ("bad_hello", "bad_hello"),
+        ):
+            value = getattr(faults, attr)
+            if value != getattr(none, attr):
+                cmd += ["--fault", f"{rank}:{kind}={value}"]
+    return cmd
+
+
 @asynccontextmanager
 async def mock_process(
     url: str, engines: int, *args: str, stop_timeout: float = 5.0
@@ -537,9 +579,8 @@ async def mock_process(
     has not exited after `stop_timeout` s.
 
     Cancellation: the process is stopped all the same (shielded, bounded)."""
-    cmd = [sys.executable, "-m", "zmqdp", "mock", "--url", url, "--engines", str(engines)]
     proc = await trio.lowlevel.open_process(
-        [*cmd, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [*_command(url, engines), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         yield proc

@@ -33,8 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import trio
 
 from .._core.messages import Output
+from ._renamed import renamed
 
 if TYPE_CHECKING:
     from ..mock import MockConfig
@@ -55,10 +55,17 @@ __all__ = [
     "StreamLike",
     "TrioBackend",
     "backend_for",
-    "mock_command",
 ]
 
 log = logging.getLogger("zmqdp.gateway")
+
+_old = renamed(__name__, {"mock_command": "zmqdp.mock.mock_command"})
+
+
+def __getattr__(name: str) -> Any:
+    """`mock_command`, which moved to `zmqdp.mock`, deprecated here."""
+    return _old(name)
+
 
 HEAVY_LANE = max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
 """Worker threads of the heavy lane (`Backend.in_thread`): the cores this process may
@@ -405,6 +412,8 @@ class AsyncioBackend:
         """The mock group in a subprocess (`python -m zmqdp mock`): the asyncio flavour
         owns the trio run it hosts, so the mock ranks run next to it, not inside it.
         SIGTERM on the way out, SIGKILL after 5 s."""
+        from ..mock import mock_command
+
         proc = await asyncio.create_subprocess_exec(
             *mock_command(url, config),
             stdout=asyncio.subprocess.DEVNULL,
@@ -421,41 +430,6 @@ class AsyncioBackend:
                 except TimeoutError:
                     proc.kill()
                     await proc.wait()
-
-
-def mock_command(url: str, config: MockConfig) -> Sequence[str]:
-    """`python -m zmqdp mock ...` for `config` (what its command line can say)."""
-    from ..mock import MockConfig, RankFaults
-
-    default = MockConfig()
-    if config.kv_tokens != default.kv_tokens:
-        raise ValueError("MockConfig.kv_tokens has no command-line form (python -m zmqdp mock)")
-    cmd = [sys.executable, "-m", "zmqdp", "mock", "--url", url, "--engines", str(config.engines)]
-    cmd += ["--step-time", repr(config.step_time), "--max-num-seqs", str(config.max_num_seqs)]
-    cmd += ["--sync-interval", str(config.sync_interval), "--skew", repr(config.skew)]
-    if config.lockstep:
-        cmd.append("--lockstep")
-    if config.self_wake:
-        cmd.append("--self-wake")
-    if not config.wave_agreement:
-        cmd.append("--no-wave-agreement")
-    if config.keys is not None:
-        cmd += ["--keys", config.keys]
-    none = RankFaults()
-    for rank, faults in sorted(config.faults.items()):
-        for kind, attr in (
-            ("dead", "dead_after"),
-            ("silent", "silent_after"),
-            ("garbage", "garbage"),
-            ("rejoin", "rejoin_after"),
-            ("rejoins", "rejoins"),
-            ("slow", "slow"),
-            ("bad_hello", "bad_hello"),
-        ):
-            value = getattr(faults, attr)
-            if value != getattr(none, attr):
-                cmd += ["--fault", f"{rank}:{kind}={value}"]
-    return cmd
 
 
 def backend_for(library: str) -> Backend:
