@@ -159,11 +159,6 @@ class RequestBook(Generic[H]):
         entry = self._live.get(wire_id)
         return entry.rank == rank if entry is not None else self._recent.get(wire_id) == rank
 
-    def ended_recently(self, wire_id: str, rank: int) -> bool:
-        """Whether `wire_id` is one of the last `RECENT_ENDED` requests that ended, and
-        was sent to `rank` (an entry for it is late, not a stray)."""
-        return self._recent.get(wire_id) == rank
-
     def _remember(self, wire_id: str, rank: int) -> None:
         self._recent[wire_id] = rank
         order = self._recent_order

@@ -386,12 +386,6 @@ def wire_version(info: Mapping[str, Any], override: str | None = None) -> tuple[
     )
 
 
-class _Hello(msgspec.Struct):
-    status: str
-    local: bool = False
-    headless: bool = True
-
-
 def decode_hello(body: bytes) -> dict[str, Any]:
     """A handshake message (HELLO or READY) as a map with a str `status`; raises
     `ProtocolError` for anything else."""
