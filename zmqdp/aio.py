@@ -116,6 +116,11 @@ class AsyncioRequestStream(RequestStream):
     Leaving the `async with` block before the request ended, for any reason (an
     exception, `break`, a cancellation), aborts the request on its rank, exactly once;
     that is a synchronous queue operation, so it always happens.
+
+    `receive`, `receive_batch` and the rest are `RequestStream`'s: only the wait
+    (`_wait`, on an asyncio future) and the wake-up (`notify`) are asyncio's own. An
+    output that is already buffered is returned without yielding to the loop. If
+    cancelled while waiting, no output is lost and the request stays live.
     """
 
     __slots__ = ("_future",)
@@ -161,41 +166,17 @@ class AsyncioRequestStream(RequestStream):
     async def _wait(self) -> None:
         """Wait until an output is buffered or the request ended."""
         self._check_thread()
-        busy = f"request {self.request_id!r}: another task is already reading this stream"
         if self._future is not None:
-            raise trio.BusyResourceError(busy)
+            raise self._busy()
         while not self._buffer and not self._done:
             if self._future is not None:  # another reader took our output and waits
-                raise trio.BusyResourceError(busy)
+                raise self._busy()
             future = self._future = asyncio.get_running_loop().create_future()
             try:
                 await future
             finally:
                 if self._future is future:  # cancelled: the same task may read again
                     self._future = None
-
-    async def receive(self) -> Output:
-        """The next output, waiting for it if needed; `trio.EndOfChannel` after the
-        terminal one, or the error the request ended with. An output that is already
-        buffered is returned without yielding to the loop.
-
-        Cancellation: if cancelled while waiting, no output is lost and the request
-        stays live (leave the `async with` to abort it).
-
-        Raises `trio.BusyResourceError` if another task is already waiting on this
-        stream: one stream has one consumer.
-        """
-        await self._wait()
-        buffer = self._buffer
-        if buffer:
-            return buffer.popleft()
-        raise self._end_of_stream()
-
-    async def receive_batch(self) -> list[Output]:
-        """Every buffered output (at least one), waiting for the first; at the end
-        `trio.EndOfChannel` or the request's error. Cancellation: as `receive()`."""
-        await self._wait()
-        return self.drain_nowait()
 
 
 class _Guest:

@@ -4,9 +4,10 @@ Theory of operation
 -------------------
 Two sides, one task each, and no back-reference between stream and group:
 
-* the **dispatcher** (the package side) calls `deliver(output)` for every output of a
-  drained batch of messages, then `notify()` once per stream it delivered to, and
-  `finish(outcome, error)` when the request ends. Nothing here blocks or awaits: a slow
+* the **dispatcher** (the package side: the carrier, `_carry.py`, on the dispatcher's
+  task) delivers every output of a drained batch of messages (`deliver_all`, the hot
+  loop; `deliver` one at a time), then calls `notify()` once per stream it delivered
+  to, and `finish(outcome, error)` when the request ends. Nothing here blocks or awaits: a slow
   consumer only grows its own buffer, and the dispatcher never waits for it. Waking a
   trio task costs about ten times the decode of an output, hence one `notify()` per
   batch rather than per output.
@@ -230,20 +231,22 @@ class RequestStream(metaclass=NoPublicConstructor):
                 "trio.from_thread)"
             )
 
+    def _busy(self) -> trio.BusyResourceError:
+        """One stream, one reader (as a trio channel's receive side)."""
+        return trio.BusyResourceError(
+            f"request {self.request_id!r}: another task is already reading this stream"
+        )
+
     async def _wait(self) -> None:
         """Park the reader until `notify()` (a trio.Event per wait cost more than the
         rest of delivering a token)."""
         self._check_thread()
         if self._waiter is not None:
-            raise trio.BusyResourceError(
-                f"request {self.request_id!r}: another task is already reading this stream"
-            )
+            raise self._busy()
         await trio.lowlevel.checkpoint_if_cancelled()
         while not self._buffer and not self._done:
             if self._waiter is not None:  # another reader took our output and parked
-                raise trio.BusyResourceError(
-                    f"request {self.request_id!r}: another task is already reading this stream"
-                )
+                raise self._busy()
             self._waiter = trio.lowlevel.current_task()
             await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
 
