@@ -1,4 +1,5 @@
-"""zmqdp: drive a data-parallel group of inference engines over ZeroMQ from one trio client.
+"""zmqdp: drive a data-parallel group of inference engines over ZeroMQ from one client,
+on trio (`EngineGroup`) or asyncio (`zmqdp.aio`); vLLM engine cores too (`zmqdp.vllm`).
 
 The wire contract is docs/protocol.md (version 1).
 

@@ -10,7 +10,7 @@ value (``"up"``, ``"down"``), a `Load` and a histogram as dicts of their fields
 (a `Load.kv` of NaN: unknown), so even `json.dumps(..., allow_nan=False)` takes it.
 
 Plain frozen records with no behaviour and no I/O, so every layer can import them: the
-trio client, `zmqdp.aio`, the gateway, the dialects and the admission queue.
+trio client, `zmqdp.aio`, the gateway, the vLLM wire and the admission queue.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The core takes facts (a submit, an abort, output messages, a deadline, a failed send, a
 rank up, a close) and adds what they call for here; the trio layer takes the record
-(`GroupCore.take_effects`) and carries it out in one place (`EngineGroup._apply`), in
+(`GroupCore.take_effects`) and carries it out in one place (`_carry.Carrier.apply`), in
 the order of the fields below. A field nobody touched stays an empty tuple shared by
 all records, so a record costs one small allocation, not one list per field: the
 dispatcher takes one per pass, and most passes only deliver.

@@ -1,7 +1,8 @@
 """Plain-ASGI plumbing: the callables' types, one response as an `Exchange`, the body
 reader and the disconnect watcher.
 
-No web framework: the gateway has five routes and one of them is hot. A framework's
+No web framework: the gateway has seven routes and one request path is hot (completions
+and chat completions). A framework's
 request object, middleware stack and response classes would sit on every token write,
 and starlette (like hypercorn) drops sends after a disconnect without telling the app,
 which is exactly what the gateway has to notice (see `wait_for_disconnect`).

@@ -1,4 +1,5 @@
-"""vLLM 0.33's engine-core wire, sans-IO: what zmqdp sends to engines and reads back.
+"""vLLM's engine-core wire, sans-IO: what zmqdp sends to engines and reads back. The
+structs are vLLM 0.33's; 0.32 engines (`WIRE_VERSIONS`) differ only in what they send.
 
 Theory of operation
 -------------------
