@@ -24,8 +24,6 @@ Modules, in the order a request meets them:
 Needs the ``gateway`` extra (prometheus-client; hypercorn or uvicorn to serve).
 """
 
-from typing import Any
-
 from ._renamed import renamed
 from .app import GatewayApp, create_app
 from .backends import GroupLike, StreamLike
@@ -47,16 +45,4 @@ __all__ = [
     "create_app",
 ]
 
-_old = renamed(
-    __name__,
-    {
-        "Dialect": "zmqdp.gateway.frontend.Frontend",
-        "MockDialect": "zmqdp.gateway.frontend.MockFrontend",
-        "VllmDialect": "zmqdp.gateway.vllm_frontend.VllmFrontend",
-    },
-)
-
-
-def __getattr__(name: str) -> Any:
-    """The names from before the frontend rename, deprecated."""
-    return _old(name)
+__getattr__ = renamed(__name__)  # the names from before the frontend rename, deprecated

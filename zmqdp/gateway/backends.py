@@ -59,12 +59,7 @@ __all__ = [
 
 log = logging.getLogger("zmqdp.gateway")
 
-_old = renamed(__name__, {"mock_command": "zmqdp.mock.mock_command"})
-
-
-def __getattr__(name: str) -> Any:
-    """`mock_command`, which moved to `zmqdp.mock`, deprecated here."""
-    return _old(name)
+__getattr__ = renamed(__name__)  # mock_command, which moved to zmqdp.mock, deprecated here
 
 
 HEAVY_LANE = max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
