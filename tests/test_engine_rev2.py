@@ -25,6 +25,7 @@ from zmqdp._core.codec import decode_batch, decode_handshake, encode_handshake, 
 from zmqdp._core.errors import HandshakeRejected, HandshakeTimeout, ProtocolError
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import (
+    DEFAULT_MAX_MESSAGE_SIZE,
     Add,
     Hello,
     Init,
@@ -38,7 +39,6 @@ from zmqdp._core.messages import (
     RequestMessage,
     Resync,
 )
-from zmqdp._transport import DEFAULT_MAX_MESSAGE_SIZE
 from zmqdp._zmq import ZSocket
 from zmqdp.engine import Engine, _split, connect_engine
 from zmqdp.mock import MockConfig, RankFaults, run_mock_group

@@ -88,6 +88,7 @@ from ._core.codec import decode_handshake, decode_request, encode_batch, encode_
 from ._core.errors import HandshakeRejected, HandshakeTimeout, ProtocolError, quote
 from ._core.handshake import rank_identity
 from ._core.messages import (
+    DEFAULT_MAX_MESSAGE_SIZE,
     PROTOCOL_VERSION,
     Abort,
     Add,
@@ -105,7 +106,6 @@ from ._core.messages import (
     Resync,
     Wake,
 )
-from ._transport import DEFAULT_MAX_MESSAGE_SIZE
 from ._util import NoPublicConstructor, open_service_nursery, single_exception
 from ._zmq import ZSocket
 

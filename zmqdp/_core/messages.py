@@ -7,13 +7,17 @@ name is clearer (`Output.request_id` for the wire key `id`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import msgspec
 
+from .errors import InvalidRequest, quote
+
 __all__ = [
+    "DEFAULT_MAX_MESSAGE_SIZE",
     "PROTOCOL_VERSION",
     "Abort",
     "Add",
@@ -32,9 +36,27 @@ __all__ = [
     "RequestMessage",
     "Resync",
     "Wake",
+    "check_timeout",
 ]
 
 PROTOCOL_VERSION = 1
+
+DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+"""docs/protocol.md §1 and §1: what a peer accepts unless it says otherwise."""
+
+
+# -- validators of what users pass ---------------------------------------------------
+
+
+def check_timeout(request_id: str, timeout: Any) -> float | None:
+    """A request timeout is a positive finite number of seconds, or None."""
+    if timeout is None:
+        return None
+    if type(timeout) in (int, float) and 0 < timeout < math.inf:
+        return float(timeout)
+    raise InvalidRequest(
+        request_id, f"timeout must be a positive number of seconds or None, got {quote(timeout)}"
+    )
 
 
 # -- handshake (§2) -------------------------------------------------------------------

@@ -97,7 +97,14 @@ from .errors import (
     ZmqdpError,
     quote,
 )
-from .messages import BadEntry, Output, OutputBatch, Reply
+from .messages import (  # re-exported: their old home
+    DEFAULT_MAX_MESSAGE_SIZE,
+    BadEntry,
+    Output,
+    OutputBatch,
+    Reply,
+    check_timeout,
+)
 from .metrics import Histogram
 from .requests import BatchEffects, Ended, Outcome, RequestBook
 from .routing import Routing
@@ -115,9 +122,6 @@ __all__ = [
 ]
 
 H = TypeVar("H")
-
-DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
-"""docs/protocol.md §1 and §1: what a peer accepts unless it says otherwise."""
 
 MAX_ID_LENGTH = 512
 """Longest application id accepted, in characters: ids appear in every log line."""
@@ -281,17 +285,6 @@ def check_request_id(request_id: Any) -> str:
             request_id, f"the id has no UTF-8 form (lone surrogate at {exc.start})"
         ) from None
     return request_id
-
-
-def check_timeout(request_id: str, timeout: Any) -> float | None:
-    """A request timeout is a positive finite number of seconds, or None."""
-    if timeout is None:
-        return None
-    if type(timeout) in (int, float) and 0 < timeout < math.inf:
-        return float(timeout)
-    raise InvalidRequest(
-        request_id, f"timeout must be a positive number of seconds or None, got {quote(timeout)}"
-    )
 
 
 def check_rank(request_id: str, rank: Any) -> int | None:
