@@ -24,7 +24,7 @@ from zmqdp import EngineGroup, Output, Request
 from zmqdp._core.codec import decode_handshake, decode_request, encode_handshake
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Init, Ready, Register, Reject, Resync
-from zmqdp._transport import GroupTransport, open_group_transport
+from zmqdp._sockets import GroupTransport, open_group_transport
 from zmqdp._zmq import ZSocket
 from zmqdp.engine import Wake
 from zmqdp.keys import EngineKeys

@@ -21,7 +21,7 @@ import zmq
 
 from zmqdp import EngineDead, EngineGroup, HandshakeRejected, Output, RankState, Request
 from zmqdp._core.handshake import rank_identity
-from zmqdp._transport import GroupTransport
+from zmqdp._sockets import GroupTransport
 from zmqdp.engine import Add, OutputBatch, connect_engine
 from zmqdp.keys import ClientKeys, EngineKeys, generate_keys, load_client_keys, load_engine_keys
 

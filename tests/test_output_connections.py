@@ -1,4 +1,4 @@
-"""A rank's output connection on the native wire (`_transport.py`, "liveness: the output
+"""A rank's output connection on the native wire (`_sockets.py`, "liveness: the output
 socket"): which connection is the current incarnation's, and what a lost output does.
 Real sockets; each engine is played by hand (`RawEngine`) so that the order of events is
 exactly the one under test."""

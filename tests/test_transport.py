@@ -23,7 +23,8 @@ from zmqdp import HandshakeRejected, HandshakeTimeout
 from zmqdp._core.codec import decode_batch, decode_handshake, encode_request
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Add, Init, Output, OutputBatch, Reject, Resync, Wake
-from zmqdp._transport import GroupTransport, TransportListener, open_group_transport
+from zmqdp._sockets import GroupTransport, open_group_transport
+from zmqdp._transport import TransportListener
 from zmqdp._util import LogLimiter
 from zmqdp._zmq import POLLIN, ZSocket
 from zmqdp.engine import connect_engine

@@ -38,7 +38,8 @@ from ._core.messages import Load, Output
 from ._core.metrics import HistogramSnapshot
 from ._core.requests import Outcome
 from ._core.wire import NativeWire, Wire
-from ._transport import NATIVE, GroupDialect
+from ._sockets import NATIVE
+from ._transport import GroupDialect
 from .client import EngineGroup
 from .stream import RequestStream
 from .values import (

@@ -90,11 +90,19 @@ import trio
 
 from ._core.errors import GroupClosed
 from ._core.messages import Output
-from ._transport import NATIVE, GroupDialect
+from ._sockets import NATIVE
+from ._transport import GroupDialect
 from ._util import NoPublicConstructor, collapse, open_service_nursery
 from .client import EngineGroup
 from .stream import RequestStream
-from .values import ConnectOptions, EngineInfo, GroupHealth, GroupStatistics, RankState
+from .values import (
+    ConnectOptions,
+    EngineInfo,
+    GroupHealth,
+    GroupStatistics,
+    RankState,
+    connect_options,
+)
 
 __all__ = ["AsyncioEngineGroup", "AsyncioRequestStream"]
 
@@ -415,10 +423,7 @@ class AsyncioEngineGroup(Generic[R], metaclass=NoPublicConstructor):
         and raises `CancelledError` once the guest run has ended: nothing is left
         running. Cancelled inside the block, it closes as above.
         """
-        if options is None:
-            options = ConnectOptions(**kwargs)
-        elif kwargs:
-            raise TypeError("pass the options either as `options=` or as keywords, not both")
+        options = connect_options(options, kwargs)
         guest = _Guest(asyncio.get_running_loop())
         group = await guest.start(url, engines, dialect, options)
         try:

@@ -9,7 +9,7 @@ in; what they call for comes out as one `Effects` record (`_core/effects.py`), w
 this module carries out in one place, `_apply`. The wire (native or vLLM's) is an
 object the core and the transport take (`GroupDialect`): this class never asks which.
 
-Tasks. `connect` opens the dialect's transport (`_transport.py`), whose nursery runs the
+Tasks. `connect` opens the dialect's transport (natively `_sockets.py`), whose nursery runs the
 handshake task (it answers HELLOs for the life of the group, so rejoins work) and the
 input task (the only one that sends on the input socket), and starts **one dispatcher
 task** (`_dispatch.py`), which owns the output socket and the watchdog deadline. The
@@ -70,7 +70,8 @@ from ._core.state import GroupCore
 from ._core.wire import Wire
 from ._dispatch import Dispatcher
 from ._probes import group_health, group_statistics
-from ._transport import NATIVE, GroupDialect, Transport, TransportListener
+from ._sockets import NATIVE
+from ._transport import GroupDialect, Transport, TransportListener
 from ._util import NoPublicConstructor
 from .fdlimit import raise_open_files_limit
 from .stream import RequestStream
@@ -84,6 +85,7 @@ from .values import (
     Request,
     WatchedValue,
     check_engines,
+    connect_options,
 )
 
 __all__ = [  # the value types too: their old home, so old imports keep working
@@ -208,10 +210,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         (what `zmqdp.vllm.connect` calls). `stream_class`: the streams `submit` makes.
         Cancellation as `connect`."""
         engines = check_engines(engines)
-        if options is None:
-            options = ConnectOptions(**kwargs)
-        elif kwargs:
-            raise TypeError("pass the options either as `options=` or as keywords, not both")
+        options = connect_options(options, kwargs)
         if options.raise_fd_limit:
             raise_open_files_limit()
         listener = _Listener()

@@ -22,9 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
-from ._core.messages import Load
+from ._core.messages import DEFAULT_MAX_MESSAGE_SIZE, Load, check_timeout
 from ._core.metrics import HistogramSnapshot
-from ._core.state import DEFAULT_MAX_MESSAGE_SIZE, check_timeout
 
 MAX_ENGINES = 1 << 16
 """Ranks travel as 2-byte routing ids, so a group has at most 65536 of them."""
@@ -373,3 +372,13 @@ class ConnectOptions:
             raise ValueError(
                 f"heartbeat_timeout ({ht!r} s) must be at least heartbeat_interval ({hi!r} s)"
             )
+
+
+def connect_options(options: ConnectOptions | None, kwargs: dict[str, Any]) -> ConnectOptions:
+    """`options`, or the `ConnectOptions` the keywords make: what every `connect` and
+    opener takes (`options=` or keywords, not both: `TypeError`)."""
+    if options is None:
+        return ConnectOptions(**kwargs)
+    if kwargs:
+        raise TypeError("pass the options either as `options=` or as keywords, not both")
+    return options

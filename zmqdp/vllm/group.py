@@ -51,19 +51,14 @@ def dialect(
         async with open_vllm_transport(
             url,
             engines,
+            options,
+            listener,
             lockstep=moe,
             ready_timeout=options.ready_timeout or wire.default_ready_timeout,
-            advertise_host=options.advertise_host,
             parallel_config=parallel_config,
             parallel_config_hash=parallel_config_hash,
-            send_timeout=options.send_timeout,
-            listener=listener,
-            max_message_size=options.max_message_size,
-            insecure=options.insecure,
             vllm_version=vllm_version,
             source_tag=wire.source_tag,
-            heartbeat_interval=options.heartbeat_interval,
-            heartbeat_timeout=options.heartbeat_timeout,
         ) as transport:
             yield transport
 

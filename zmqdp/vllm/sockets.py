@@ -68,10 +68,10 @@ import zmq
 from .._addresses import is_loopback
 from .._core.errors import ProtocolError
 from .._core.liveness import ConnectionWatch
-from .._core.state import DEFAULT_MAX_MESSAGE_SIZE
 from .._transport import CONTROL_MAX_MESSAGE, TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
 from .._zmq import ACCEPTED, Monitor, ZSocket, ZSocketSet, handshake_deadline, heartbeat
+from ..values import ConnectOptions
 from .codec import (
     COORDINATOR_READY,
     ENGINE_CORE_DEAD,
@@ -161,20 +161,22 @@ class VllmTransport(TransportBase):
         self,
         url: str,
         size: int,
+        options: ConnectOptions,
         *,
         lockstep: bool,
-        advertise_host: str | None = None,
         parallel_config: Mapping[str, Any] | None = None,
         parallel_config_hash: str | None = None,
-        send_timeout: float = 10.0,
         listener: TransportListener | None = None,
-        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-        insecure: bool = False,
         vllm_version: str | None = None,
         source_tag: Callable[[int], bytes] | None = None,
-        heartbeat_interval: float | None = 0.5,
-        heartbeat_timeout: float = 3.0,
     ) -> None:
+        """`options`: the group's; only the transport's fields are read."""
+        advertise_host = options.advertise_host
+        send_timeout = options.send_timeout
+        max_message_size = options.max_message_size
+        insecure = options.insecure
+        heartbeat_interval = options.heartbeat_interval
+        heartbeat_timeout = options.heartbeat_timeout
         if url.startswith("tcp://") and not insecure:
             host = url[len("tcp://") :].rpartition(":")[0]
             reach = "every local user" if is_loopback(host) else "other machines"
@@ -561,38 +563,29 @@ def _start_command(url: str, engines: int) -> str:
 async def open_vllm_transport(
     url: str,
     engines: int,
+    options: ConnectOptions,
+    listener: TransportListener | None = None,
     *,
     lockstep: bool,
     ready_timeout: float,
-    advertise_host: str | None = None,
     parallel_config: Mapping[str, Any] | None = None,
     parallel_config_hash: str | None = None,
-    send_timeout: float = 10.0,
-    listener: TransportListener | None = None,
-    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-    insecure: bool = False,
     vllm_version: str | None = None,
     source_tag: Callable[[int], bytes] | None = None,
-    heartbeat_interval: float | None = 0.5,
-    heartbeat_timeout: float = 3.0,
 ) -> AsyncIterator[VllmTransport]:
     """Bind, serve the handshake, wait for all `engines` ranks (`HandshakeTimeout`
-    naming each missing rank and why), yield; leaving closes everything."""
+    naming each missing rank and why), yield; leaving closes everything. `options`:
+    the group's (`ready_timeout`: its own or the wire's default, resolved)."""
     transport = VllmTransport(
         url,
         engines,
+        options,
         lockstep=lockstep,
-        advertise_host=advertise_host,
         parallel_config=parallel_config,
         parallel_config_hash=parallel_config_hash,
-        send_timeout=send_timeout,
         listener=listener,
-        max_message_size=max_message_size,
-        insecure=insecure,
         vllm_version=vllm_version,
         source_tag=source_tag,
-        heartbeat_interval=heartbeat_interval,
-        heartbeat_timeout=heartbeat_timeout,
     )
     try:
         async with open_service_nursery() as nursery:
