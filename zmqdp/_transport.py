@@ -59,7 +59,7 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 import zmq
@@ -81,9 +81,6 @@ from ._zmq import (
     peer_closed,
 )
 from .values import ConnectOptions
-
-if TYPE_CHECKING:
-    from ._sockets import NATIVE as NATIVE
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
@@ -682,13 +679,3 @@ class TransportBase:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.context.term)
         self._closed()
-
-
-def __getattr__(name: str) -> Any:
-    """`NATIVE` moved to `_sockets.py`; this old place still serves it (the gateway
-    imports it from here)."""
-    if name == "NATIVE":
-        from ._sockets import NATIVE
-
-        return NATIVE
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

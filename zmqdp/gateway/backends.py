@@ -305,7 +305,7 @@ class TrioBackend:
     def connect(
         self, url: str, engines: int, options: dict[str, Any]
     ) -> AbstractAsyncContextManager[GroupLike]:
-        from .._transport import NATIVE
+        from .._sockets import NATIVE
         from ..client import EngineGroup
 
         options = dict(options)
