@@ -13,7 +13,6 @@ import trio
 import zmqdp.vllm
 from zmqdp.vllm import WIRE_VERSIONS, VllmError, VllmOutput
 from zmqdp.vllm.codec import decode_outputs, wire_version
-from zmqdp.vllm.handshake import VllmHandshake
 from zmqdp.vllm.sockets import MASTER_PORTS, moe_parallel_config
 
 enc = msgspec.msgpack.encode
@@ -61,22 +60,6 @@ def test_the_wire_version_comes_from_the_ready_response(
 def test_an_override_wins_and_does_not_warn() -> None:
     assert wire_version({"vllm_version": "0.33.0"}, "0.32") == ("0.32", None)
     assert wire_version({}, "0.33") == ("0.33", None)
-
-
-def test_the_handshake_records_each_ranks_version_and_its_guesses() -> None:
-    warnings: list[tuple[int, str]] = []
-    hs = VllmHandshake(2, lambda _r: b"init", on_warning=lambda r, w: warnings.append((r, w)))
-    for rank, info in ((0, {"vllm_version": "0.32.0"}), (1, {})):
-        ident = rank.to_bytes(2, "little")
-        hs.on_hello(ident, {"status": "HELLO"})
-        hs.on_ready_response(ident, info)
-        hs.on_ready(ident, {"status": "READY"})
-    assert [hs.version(0), hs.version(1)] == ["0.32", "0.33"]
-    assert [r for r, _ in warnings] == [1]
-    forced = VllmHandshake(1, lambda _r: b"init", version_override="0.32")
-    forced.on_hello(b"\x00\x00", {"status": "HELLO"})
-    forced.on_ready_response(b"\x00\x00", {"vllm_version": "0.33.0"})
-    assert forced.version(0) == "0.32"
 
 
 async def test_connect_refuses_an_unknown_vllm_version() -> None:

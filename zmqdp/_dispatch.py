@@ -31,14 +31,15 @@ A timer that fires with nothing queued is judged only after a short grace if the
 woke late (`HELD_UP`): libzmq's I/O thread may have been held up too, with heartbeats
 still in the kernel.
 
-A rank whose connection closed (`lost`, reported by the transport's tasks) is judged
-here too, at the top of the next pass and only after reading what is queued (up to
-`DRAIN_BEFORE_JUDGING` batches): an engine that sent a request's last output and then
-exited must not see that request fail. If the rank came back meanwhile (another
-incarnation), the report is dropped. A report may ask for a grace (`lost(grace=)`): the
-close of a rank's output connection alone is judged `_transport.OUTPUT_GRACE` later, so that the
-close of its other connections (the process exited or was killed) is reported first
-and names the plain cause.
+A rank whose connection closed is reported to the core by the transport's tasks
+(`GroupCore.on_connection_lost`, naming the incarnation) and judged by the core, which
+decides (`on_deadline`; its `next_deadline` covers the reports); this task only sees to
+it that the judgement comes at the top of the next pass and after reading what is queued
+(up to `DRAIN_BEFORE_JUDGING` batches): an engine that sent a request's last output and
+then exited must not see that request fail. A report may ask for a grace: the close of
+a rank's output connection alone is judged `OUTPUT_GRACE` later, so that the close of
+its other connections (the process exited or was killed) is reported first and names
+the plain cause.
 
 Cancellation: only at checkpoints (the group is closing); what was applied stays
 applied.
@@ -46,7 +47,6 @@ applied.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import trio
@@ -79,28 +79,6 @@ class Dispatcher:
         self._output = output
         self._apply = apply
         self._timer: trio.CancelScope | None = None  # the wait, while parked
-        self._lost: list[tuple[float, int, object, str]] = []
-        """(when to judge, rank, its incarnation, cause), in the order reported."""
-
-    def lost(self, rank: int, cause: str, grace: float = 0.0) -> None:
-        """`rank`'s connection closed: judge it once what is queued has been read, and
-        `grace` s have passed."""
-        when = trio.current_time() + grace
-        self._lost.append((when, rank, self._core.health[rank], cause))
-        self.move_deadline(when)
-
-    def pending_cause(self, rank: int) -> str | None:
-        """The cause of a report about `rank`'s current incarnation not judged yet (its
-        successor's handshake completed first: that death is judged by the core now,
-        with this cause rather than a generic one)."""
-        incarnation = self._core.health[rank]
-        for _, r, reported, cause in self._lost:
-            if r == rank and reported is incarnation:
-                return cause
-        return None
-
-    def _lost_due(self) -> float:
-        return min((entry[0] for entry in self._lost), default=math.inf)
 
     def move_deadline(self, when: float) -> None:
         """A submit's deadline is earlier than the parked wait's: wake in time."""
@@ -112,12 +90,13 @@ class Dispatcher:
         zs = self._output
         core = self._core
         while True:
-            if self._lost and self._lost_due() <= trio.current_time():
-                self._judge_lost()
+            if core.next_loss() <= trio.current_time():  # a connection closed
+                self._judge_silence()
+                self._carry_out(set())
             if core.has_work():
                 messages = zs.receive_nowait(256)
             else:
-                deadline = min(core.next_deadline(), trio.current_time() + 1.0, self._lost_due())
+                deadline = min(core.next_deadline(), trio.current_time() + 1.0)
                 with trio.move_on_at(deadline) as timer:
                     self._timer = timer
                     try:
@@ -170,14 +149,3 @@ class Dispatcher:
     def _judge_silence(self) -> None:
         self._read_queued()
         self._core.on_deadline(trio.current_time())
-
-    def _judge_lost(self) -> None:
-        core = self._core
-        self._read_queued()
-        now = trio.current_time()
-        due = sorted((e for e in self._lost if e[0] <= now), key=lambda e: e[0])
-        self._lost = [e for e in self._lost if e[0] > now]
-        for _, rank, incarnation, cause in due:
-            if core.health[rank] is incarnation:
-                core.on_rank_dead(rank, cause)
-        self._carry_out(set())

@@ -45,11 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
@@ -65,7 +63,12 @@ from ._addresses import (
 from ._core.auth import ZAP_DOMAIN, PeerBinding, ZapPolicy
 from ._core.codec import decode_handshake, encode_handshake
 from ._core.errors import ProtocolError, quote
-from ._core.handshake import HandshakeState, identity_rank, rank_identity
+from ._core.handshake import (
+    UNANSWERED_RESYNCS,
+    HandshakeState,
+    identity_rank,
+    rank_identity,
+)
 from ._core.liveness import ConnectionWatch
 from ._core.messages import Hello, Init, Ready, Register, Reject, Resync
 from ._core.wire import NativeWire
@@ -111,23 +114,11 @@ class CurveServer(Protocol):
     def rank_of(self, key: bytes) -> int | None: ...
 
 
-UNANSWERED_RESYNCS = 3
-"""RESYNCs that reach a rank's identity without a HELLO in answer before the client ends
-the displaced connections of earlier engines of the rank (`_restore_route`)."""
-
 OUTPUT_TAKEN = (
     "another connection took its identity on the output socket while its own was open "
     "(ROUTER_HANDOVER: a second process runs as this rank, or its key was replayed), so "
     "what the engine sends is dropped"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class _HeldHello:
-    identity: bytes
-    hello: Hello
-    fd: int
-    deadline: float
 
 
 class GroupTransport(TransportBase):
@@ -227,8 +218,6 @@ class GroupTransport(TransportBase):
         self._deferred: list[tuple[bytes, bytes]] = []
         """INITs the dispatcher released, for the handshake task to send."""
         self._gating = False  # the dispatcher reads the output socket (`_output_gate`)
-        self._held: dict[int, _HeldHello] = {}
-        """Rank -> a HELLO held while its current engine's connection is open."""
         self._resync_body = encode_handshake(Resync())
         self._routes_restored = 0
         self._init_base([rank_identity(r) for r in range(size)], listener, send_timeout)
@@ -318,9 +307,8 @@ class GroupTransport(TransportBase):
     def forget(self, rank: int, *, resync: bool = True, epoch: int | None = None) -> None:
         """The rank is dead: it must handshake again. With `resync`, it is sent RESYNC
         at once and then about once a second until it says HELLO (§2.5)."""
-        if self._superseded(rank, epoch):
-            return
-        self.state.forget(rank, resync=resync)
+        if not self.state.forget(rank, resync=resync, epoch=epoch):
+            return  # a newer HELLO was accepted since: that handshake stands
         self._watch.release(rank)
         self._output_watch.release(rank)
         self._claiming.discard(rank)
@@ -354,6 +342,7 @@ class GroupTransport(TransportBase):
         are its predecessors', never its own."""
         self._output_watch.release(rank)
         self._output_before[rank] = self._output_watch.open_fds()
+        self._output_epochs[rank] = self.state.epoch(rank)
         self._claiming.add(rank)
 
     def _output_gate(self, _member: int) -> Callable[[int, list[bytes]], bool] | None:
@@ -409,7 +398,7 @@ class GroupTransport(TransportBase):
         ):
             return True
         if watch.connections(rank):
-            self._connection_lost(rank, OUTPUT_TAKEN)
+            self._connection_lost(rank, self._output_epochs.get(rank), OUTPUT_TAKEN)
         else:
             watch.claim(fd, rank)
         return True
@@ -426,13 +415,11 @@ class GroupTransport(TransportBase):
         real engine's claimed); otherwise only those nobody claims (the rank's own
         engine may just be slow to answer)."""
         self._watch_connections()
-        ended = [
-            fd
-            for fd in sorted(self._history.get(rank, ()))
-            if fd in self._watch
-            and (unroutable or self._watch.owner(fd) is None)
-            and shutdown_connection(fd)
-        ]
+        watch = self._watch
+        displaced = self.state.displaced(
+            self._history.get(rank, ()), watch.__contains__, watch.owner, unroutable=unroutable
+        )
+        ended = [fd for fd in displaced if shutdown_connection(fd)]
         if ended:
             self._routes_restored += 1
             self._logs.log(
@@ -458,17 +445,13 @@ class GroupTransport(TransportBase):
         settle_at = self._settle(now)
         zs = self.handshake
         for rank in self.state.resync_due(now):
-            if rank in self._held:
+            if self.state.holds(rank):
                 continue
             try:
                 if zs.send_nowait([rank_identity(rank), self._resync_body]):
                     self._resyncs += 1
-                    unanswered = self._unanswered[rank] = self._unanswered.get(rank, 0) + 1
-                    if unanswered >= UNANSWERED_RESYNCS:
-                        # Routable, yet nobody answers: whoever holds the rank's identity
-                        # is not a live engine of ours (an idle intruder, a zombie)
-                        self._unanswered[rank] = 0
-                        why = f"{unanswered} RESYNCs got no HELLO"
+                    if self.state.resync_sent(rank):  # routable, yet nobody answers
+                        why = f"{UNANSWERED_RESYNCS} RESYNCs got no HELLO"
                         self._restore_route(rank, why, unroutable=False)
             except zmq.ZMQError:
                 # Not connected (yet): the next RESYNC may find it. Or displaced.
@@ -483,7 +466,7 @@ class GroupTransport(TransportBase):
         REGISTER, an unknown type) is counted and ignored: only an invalid HELLO is a
         rejoin."""
         if len(frames) != 2:
-            self.state.ignored += 1
+            self.state.on_ignored()
             self._logs.log(
                 logging.WARNING,
                 "handshake-frames",
@@ -513,7 +496,7 @@ class GroupTransport(TransportBase):
             )
             self._answer(identity, reject)
         else:
-            self.state.ignored += 1
+            self.state.on_ignored()
             self._logs.log(
                 logging.WARNING,
                 "handshake-ignored",
@@ -523,67 +506,53 @@ class GroupTransport(TransportBase):
             )
 
     def _contests(self, identity: bytes, hello: Hello | ProtocolError, fd: int) -> bool:
-        """A valid HELLO of a rank whose current handshake connection is still open,
-        on another connection: a second process for the rank, or a restart while the
-        old process is stopped or its close is not seen yet. Hold it (`_settle`) while
-        the heartbeats judge the incumbent: the incumbent keeps the rank if it lives."""
+        """Whether the handshake holds this HELLO while the heartbeats judge the rank's
+        current connection (`HandshakeState.contest`: the incumbent keeps the rank if
+        it lives)."""
         rank = identity_rank(identity)
-        if (
-            not isinstance(hello, Hello)
-            or fd < 0
-            or rank is None
-            or rank >= self.size
-            or self.heartbeat_interval is None  # nothing would ever judge the incumbent
-            or self.state.hello_problem(identity, hello) is not None  # REJECT, a rejoin
-        ):
+        if fd < 0 or rank is None or rank >= self.size:
             return False
         self._watch_connections()
-        current = self._watch.connections(rank)
-        if not current or fd in current:
+        judge_after = (
+            None
+            if self.heartbeat_interval is None  # nothing would ever judge the incumbent
+            else self.heartbeat_interval + self.heartbeat_timeout
+        )
+        first = not self.state.holds(rank)
+        now = trio.current_time()
+        incumbent = self._watch.connections(rank)
+        if not self.state.contest(identity, hello, fd, now, incumbent, judge_after):
             return False
-        if rank not in self._held:
+        if first:
             log.warning(
                 "rank %d: HELLO from a second connection while the current engine's is "
                 "open: held until that one closes, or refused after %.1f s if it stays",
                 rank,
-                self.heartbeat_interval + self.heartbeat_timeout,
+                judge_after,
             )
-        deadline = trio.current_time() + self.heartbeat_interval + self.heartbeat_timeout
-        self._held[rank] = _HeldHello(identity, hello, fd, deadline)
         self.handshake.kick()  # the task's next wait must end by the deadline
         return True
 
     def _settle(self, now: float) -> float:
-        """(Handshake task.) Decide the held HELLOs that can be decided; return when to
-        look again. The incumbent's connection closed: the newcomer is a restart and is
-        admitted. It stayed open past the heartbeat timeout: the newcomer is a second
-        process and is refused (REJECT goes to it: it holds the identity's route now)."""
-        next_at = math.inf
-        if self._held:
-            self._watch_connections()  # a close that decides it may have just come
-        for rank, held in list(self._held.items()):
-            if held.fd not in self._watch:  # the newcomer left
-                del self._held[rank]
-            elif not self._watch.connections(rank):
-                del self._held[rank]
-                self._answer_hello(held.identity, held.hello, held.fd)
-            elif now >= held.deadline:
-                del self._held[rank]
-                self._duplicates += 1
-                reason = (
-                    f"rank {rank} is served by another engine process, which is alive "
-                    "(its connection stays open and answers heartbeats); exactly one "
-                    "engine may run as a rank"
-                )
-                log.error(
-                    "rank %d: refused a second engine process for the rank: the current "
-                    "one lives (statistics().identity_conflicts)",
-                    rank,
-                )
-                self.state.rejections += 1
-                self._answer(held.identity, Reject(reason))
-            else:
-                next_at = min(next_at, held.deadline)
+        """(Handshake task.) Carry out what the handshake decided about the held HELLOs
+        (`HandshakeState.settle`); return when to look again. The incumbent's connection
+        closed: the newcomer is a restart and is admitted. It stayed open past the
+        heartbeat timeout: the newcomer is a second process and is refused (REJECT goes
+        to it: it holds the identity's route now)."""
+        if self.state.holding():
+            self._watch_connections()  # a close that decides one may have just come
+        watch = self._watch
+        settled = self.state.settle(now, watch.__contains__, watch.connections)
+        for held in settled.admit:
+            self._answer_hello(held.identity, held.hello, held.fd)
+        for held, reply in settled.refuse:
+            log.error(
+                "rank %d: refused a second engine process for the rank: the current "
+                "one lives (statistics().identity_conflicts)",
+                held.hello.rank,
+            )
+            self._answer_bytes(held.identity, reply)
+        next_at: float = settled.next_at
         return next_at
 
     def _answer_hello(self, identity: bytes, hello: Hello | ProtocolError, fd: int) -> None:
@@ -611,10 +580,11 @@ class GroupTransport(TransportBase):
             self.listener.rejoin(verdict.rank)
         elif isinstance(hello, Hello) and verdict.rank is not None and verdict.rank < self.size:
             log.info("rank %d: HELLO accepted", verdict.rank)
-        if isinstance(verdict.reply, Init) and verdict.rank is not None:
+        assert verdict.reply is not None  # natively every HELLO is answered
+        if verdict.admitted and verdict.rank is not None:
             self._claim(fd, verdict.rank)  # its life is this connection's
             if self._gating:  # INIT once the dispatcher has read the output monitor
-                self._hello_due[verdict.rank] = (identity, encode_handshake(verdict.reply))
+                self._hello_due[verdict.rank] = (identity, verdict.reply)
                 self.output.kick()
                 return
             # The initial handshake: no dispatcher yet, and the handshake task reads the
@@ -622,14 +592,11 @@ class GroupTransport(TransportBase):
             self._read_output_monitor()
             self._output_monitor.zs.release()  # the dispatcher's, once it runs
             self._output_begin(verdict.rank)
-        if isinstance(verdict.reply, Reject):
+        if verdict.refused is not None:
             self._logs.log(
-                logging.WARNING,
-                "hello-reject",
-                "handshake: rejected a HELLO: %s",
-                verdict.reply.reason,
+                logging.WARNING, "hello-reject", "handshake: rejected a HELLO: %s", verdict.refused
             )
-        self._answer(identity, verdict.reply)
+        self._answer_bytes(identity, verdict.reply)
 
     def _answer_ready(self, identity: bytes, ready: dict[str, object] | ProtocolError) -> None:
         verdict = self.state.on_ready(identity, ready)
@@ -654,7 +621,7 @@ class GroupTransport(TransportBase):
             try:
                 msg = decode_handshake(frames[1])
             except ProtocolError as exc:
-                self.state.ignored += 1
+                self.state.on_ignored()
                 self._logs.log(
                     logging.WARNING,
                     "input-undecodable",
@@ -667,7 +634,7 @@ class GroupTransport(TransportBase):
                 if self.state.on_register(frames[0], msg.epoch):
                     self._rank_up(frames[0])
                 return
-        self.state.ignored += 1
+        self.state.on_ignored()
         self._logs.log(
             logging.WARNING,
             "input-ignored",

@@ -27,8 +27,12 @@ Each socket has exactly one owning task:
   accepts from a new incarnation ties its connection (the fd libzmq gives the message)
   to the rank (`_core/liveness.ConnectionWatch`, `_claim`), and when that connection
   closes, because the engine exited, was killed, or missed ZMTP heartbeats
-  (`heartbeat_interval`, `heartbeat_timeout`: a stopped process), the rank is reported
-  dead at once (`listener.connection_lost`), idle or not.
+  (`heartbeat_interval`, `heartbeat_timeout`: a stopped process), that is reported at
+  once, idle or not, naming the incarnation whose connection it was
+  (`listener.connection_lost`). The group's core judges it
+  (`GroupCore.on_connection_lost`) and orders the forget of that incarnation: the
+  transport decides nothing itself once a group exists (at start-up, before one
+  does, that handshake starts over).
 * The output socket(s) are handed to the caller (the dispatcher), which claims them;
   the close of a rank's output connection is judged by `_output_lost` (`OUTPUT_LOST`,
   `ENGINE_GONE`).
@@ -65,7 +69,7 @@ import trio
 import zmq
 
 from ._core.errors import HandshakeTimeout
-from ._core.handshake import Handshake
+from ._core.handshake import Handshake, RankUp
 from ._core.liveness import ConnectionWatch
 from ._core.messages import DEFAULT_MAX_MESSAGE_SIZE
 from ._core.outbox import Outbox
@@ -125,8 +129,9 @@ class TransportListener:
     """What the transport reports, as it happens (a subclass overrides what it needs).
     The calls are synchronous and come from the transport's own tasks."""
 
-    def rank_up(self, rank: int) -> None:
-        """`rank` completed a handshake (READY and REGISTER of its current epoch)."""
+    def rank_up(self, up: RankUp) -> None:
+        """`up.rank` completed a handshake (natively READY and REGISTER of its current
+        epoch); `up` is what its handshake said."""
 
     def rejoin(self, rank: int) -> None:
         """`rank` said HELLO again (or sent an invalid HELLO): its previous incarnation
@@ -135,11 +140,15 @@ class TransportListener:
     def send_failed(self, rank: int, cause: str) -> None:
         """A send to `rank` failed or timed out; its queued messages were dropped."""
 
-    def connection_lost(self, rank: int, cause: str, grace: float = 0.0) -> None:
-        """The connection of `rank`'s current incarnation closed (it exited, was
-        killed, or missed heartbeats): it is dead. `grace`: judge it that much later
-        (a report of its other connections closing may come meanwhile and name the
-        plain cause)."""
+    def connection_lost(
+        self, rank: int, incarnation: int | None, cause: str, grace: float = 0.0
+    ) -> bool:
+        """The connection of `rank`'s incarnation `incarnation` closed (it exited, was
+        killed, or missed heartbeats). Return True if the group judges it (`grace`:
+        that much later, so that a report of its other connections closing may come
+        meanwhile and name the plain cause): the transport then does nothing more.
+        False (no group yet, at start-up): the transport starts that handshake over."""
+        return False
 
     def flushed(self) -> None:
         """The input task sent a run of messages."""
@@ -327,8 +336,14 @@ class TransportBase:
         self._history: dict[int, set[int]] = {}
         """Rank -> open connections of the watched socket it ever claimed (a displaced
         one may be a live engine that `ROUTER_HANDOVER` cut off: `_restore_route`)."""
-        self._unanswered: dict[int, int] = {}
-        """Rank -> routable RESYNCs since its last HELLO."""
+        self._claimed: dict[int, int | None] = {}
+        """Rank -> the incarnation whose connection of the watched socket it claimed
+        (its close is reported as that incarnation's)."""
+        self._lost_counted: dict[int, int | None] = {}
+        """Rank -> the incarnation whose loss `connections_lost` counted last."""
+        self._output_epochs: dict[int, int | None] = {}
+        """Rank -> the incarnation its output connections belong to (set as each new
+        incarnation begins on the output socket)."""
         self._duplicates = 0
 
     # -- sending (any task) -----------------------------------------------------------
@@ -375,7 +390,7 @@ class TransportBase:
                 for fds in self._history.values():
                     fds.discard(fd)
                 if (rank := self._watch.disconnected(fd)) is not None:
-                    self._connection_lost(rank)
+                    self._connection_lost(rank, self._claimed.get(rank))
 
     def _claim(self, fd: int, rank: int) -> None:
         """(The watched socket's owner.) A message of `rank`'s new incarnation came on
@@ -395,9 +410,9 @@ class TransportBase:
                     rank,
                     rank,
                 )
-            self._unanswered.pop(rank, None)
+            self._claimed[rank] = epoch = self.state.epoch(rank)
             if not self._watch.claim(fd, rank):
-                self._connection_lost(rank)
+                self._connection_lost(rank, epoch)
             else:
                 self._history.setdefault(rank, set()).add(fd)
 
@@ -422,8 +437,15 @@ class TransportBase:
         self._monitor = Monitor(zs.sock)
         self._monitors.append(self._monitor)
 
-    def _connection_lost(self, rank: int, cause: str | None = None, grace: float = 0.0) -> None:
-        self._connections_lost += 1
+    def _connection_lost(
+        self, rank: int, incarnation: int | None, cause: str | None = None, grace: float = 0.0
+    ) -> None:
+        """A connection of `rank`'s incarnation `incarnation` closed: report it. Once a
+        group exists, it judges (`GroupCore.on_connection_lost`) and this changes
+        nothing here; before, at start-up, that handshake starts over."""
+        if self._lost_counted.get(rank, -1) != incarnation:  # its other connections' too
+            self._lost_counted[rank] = incarnation
+            self._connections_lost += 1
         if cause is None:
             cause = (
                 "its connection closed: the engine exited, was killed or restarted, or sent "
@@ -431,11 +453,11 @@ class TransportBase:
                 f"heartbeat_timeout={self.heartbeat_timeout:g} s"
             )
         log.warning("rank %d: %s", rank, cause)
-        self.listener.connection_lost(rank, cause, grace)
-        self.forget(rank)  # at start-up there is no group yet: its handshake starts over
-        self._lost(rank)
+        self._lost(rank, incarnation)
+        if not self.listener.connection_lost(rank, incarnation, cause, grace):
+            self.forget(rank, epoch=incarnation)
 
-    def _lost(self, rank: int) -> None:
+    def _lost(self, rank: int, incarnation: int | None) -> None:
         """A dialect's note that `rank`'s connection closed (for `HandshakeTimeout`)."""
 
     def _output_lost(self, rank: int, max_message_size: int) -> None:
@@ -443,22 +465,18 @@ class TransportBase:
         is tied to is closed by its peer too, the process is gone: say so plainly;
         otherwise outputs were dropped with the one connection (`OUTPUT_LOST`)."""
         life = self._watch.connections(rank)
+        incarnation = self._output_epochs.get(rank)
         if life and all(peer_closed(fd) for fd in life):
-            self._connection_lost(rank, ENGINE_GONE)
+            self._connection_lost(rank, incarnation, ENGINE_GONE)
         else:  # judged a little later: the close of the others may be on its way
-            self._connection_lost(rank, OUTPUT_LOST.format(max_message_size), OUTPUT_GRACE)
+            cause = OUTPUT_LOST.format(max_message_size)
+            self._connection_lost(rank, incarnation, cause, OUTPUT_GRACE)
 
     def forget(self, rank: int, *, resync: bool = True, epoch: int | None = None) -> None:
         """The incarnation `epoch` of `rank` is dead (None: whichever is current): its
-        handshake starts over, unless a newer HELLO was accepted since (`_superseded`)."""
+        handshake starts over, unless a newer one began since (the state machine's
+        `superseded`)."""
         raise NotImplementedError
-
-    def _superseded(self, rank: int, epoch: int | None) -> bool:
-        """A forget of incarnation `epoch` comes after a newer HELLO of `rank` was
-        accepted: that handshake stands (forgetting it would drop its INIT, or RESYNC an
-        engine that is starting the new incarnation)."""
-        current = self.state.epoch(rank)
-        return epoch is not None and current is not None and current != epoch
 
     def _close_monitors(self) -> None:
         """Before the sockets they watch close (libzmq: monitors first)."""
@@ -512,7 +530,7 @@ class TransportBase:
 
     def _rank_is_up(self, rank: int, detail: str) -> None:
         log.info("rank %d: up (%s)", rank, detail)
-        self.listener.rank_up(rank)
+        self.listener.rank_up(self.state.rank_up(rank))
         self.ranks_changed.set()
         self.ranks_changed = trio.Event()
 

@@ -66,6 +66,7 @@ from ._core.errors import (
     GroupDraining,
     InvalidRank,
 )
+from ._core.handshake import RankUp
 from ._core.state import GroupCore
 from ._core.wire import Wire
 from ._dispatch import Dispatcher
@@ -155,6 +156,8 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         self._states: list[Any] = [AsyncValue(RankState.DOWN) for _ in range(core.size)]
         self._wave: Any = AsyncValue(core.clock.wave if core.clock is not None else None)
         self._infos: list[Mapping[str, Any]] = [{} for _ in range(core.size)]
+        self._ups: list[RankUp | None] = [None] * core.size
+        """Per rank: what its latest incarnation that came up said in its handshake."""
         self._calls = PendingCalls(wire.new_call_id)
         self._apply = Carrier(
             core,
@@ -220,7 +223,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
                 lockstep=transport.lockstep,
                 silence_timeout=options.silence_timeout,
                 stall_timeout=options.stall_timeout,
-                wave=transport.state.hello_wave(),
+                wave=max((up.hello_wave or 0 for up in listener.ups.values()), default=0),
                 wire=dialect.wire,
                 held_limit=4 * options.max_message_size,
                 recover=options.recover,
@@ -234,7 +237,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
                 EngineGroup._create(transport, core, dialect.wire, options, stream_class),
             )
             for rank in range(engines):
-                group._rank_up(rank)
+                group._rank_up(listener.ups[rank])
             listener.group = group
             assert transport.nursery is not None
             transport.nursery.start_soon(group._dispatcher.run, name="zmqdp-dispatcher")
@@ -257,16 +260,22 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
     @property
     def engines(self) -> tuple[EngineInfo, ...]:
         """Per rank: handshake info (READY, or vLLM's ready response) and state."""
-        return tuple(
-            EngineInfo(r, self._transport.state.info(r), self._states[r].value)
-            for r in range(self.size)
-        )
+        return tuple(EngineInfo(r, self._info(r), self._states[r].value) for r in range(self.size))
 
     def wire_version(self, rank: int) -> str | None:
         """The protocol version spoken with the rank: on vLLM's wire ``"0.32"`` or
         ``"0.33"`` (the `vllm_version` given to connect, else its ready response's);
-        natively the revision of its HELLO. None while the rank has not said."""
-        return self._transport.state.version(rank)
+        natively the revision of its HELLO. That of its latest incarnation that came
+        up; None while none has."""
+        up = self._ups[rank]
+        return None if up is None else up.version
+
+    def _info(self, rank: int) -> dict[str, Any]:
+        """The handshake info of the rank's current incarnation ({} while it is down)."""
+        up = self._ups[rank]
+        if up is None or self._states[rank].value is not RankState.UP:
+            return {}
+        return dict(up.info)
 
     def rank_state(self, rank: int) -> WatchedValue[RankState]:
         """The rank's state, to wait on: `await group.rank_state(1).wait_value(RankState.UP)`.
@@ -451,22 +460,19 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
 
     # -- the transport's facts --------------------------------------------------------
 
-    def _rank_up(self, rank: int) -> None:
-        state = self._transport.state
-        if self._core.is_up(rank) and (cause := self._dispatcher.pending_cause(rank)):
-            # its predecessor's death, reported and not judged yet: say why it died
-            self._core.on_rank_dead(rank, cause, rejoin=True)
-        self._infos[rank] = info = state.info(rank)
-        self._core.on_rank_up(
-            rank,
-            trio.current_time(),
-            epoch=state.epoch(rank),
-            hello_wave=state.wave(rank),
-            max_message_size=state.engine_max_message_size(rank),
-            cap=self._max_inflight,
-            info=info,
-        )
+    def _rank_up(self, up: RankUp) -> None:
+        self._ups[up.rank] = up
+        self._infos[up.rank] = up.info
+        self._core.on_rank_up(up, trio.current_time(), cap=self._max_inflight)
         self._apply(self._core.take_effects())
+
+    def _connection_lost(
+        self, rank: int, incarnation: int | None, cause: str, grace: float
+    ) -> None:
+        """Judged by the core once what is queued before it has been read (`Dispatcher`)."""
+        now = trio.current_time()
+        self._core.on_connection_lost(rank, incarnation, cause, now, grace)
+        self._dispatcher.move_deadline(now + grace)
 
     def _rank_dead(self, rank: int, cause: str, *, rejoin: bool = False) -> None:
         self._core.on_rank_dead(rank, cause, rejoin=rejoin)
@@ -484,9 +490,15 @@ class _Listener(TransportListener):
 
     group: EngineGroup[Any] | None = None
 
-    def rank_up(self, rank: int) -> None:
+    def __init__(self) -> None:
+        self.ups: dict[int, RankUp] = {}
+        """Each rank's latest rank-up of the initial handshake (the group starts there)."""
+
+    def rank_up(self, up: RankUp) -> None:
         if self.group is not None:
-            self.group._rank_up(rank)
+            self.group._rank_up(up)
+        else:
+            self.ups[up.rank] = up
 
     def rejoin(self, rank: int) -> None:
         if self.group is not None:
@@ -498,9 +510,13 @@ class _Listener(TransportListener):
         if self.group is not None:
             self.group._rank_dead(rank, cause)
 
-    def connection_lost(self, rank: int, cause: str, grace: float = 0.0) -> None:
-        if self.group is not None:
-            self.group._dispatcher.lost(rank, cause, grace)  # after what came before it
+    def connection_lost(
+        self, rank: int, incarnation: int | None, cause: str, grace: float = 0.0
+    ) -> bool:
+        if self.group is None:
+            return False  # the transport's handshake starts over
+        self.group._connection_lost(rank, incarnation, cause, grace)
+        return True
 
     def flushed(self) -> None:
         if self.group is not None:

@@ -12,8 +12,7 @@ import pytest
 from tests.models.long_batches import check_long_batches
 from zmqdp._core.codec import decode_request
 from zmqdp._core.errors import GroupClosed, GroupRecovering, InvalidRequest
-from zmqdp._core.handshake import MAX_REJECTIONS_KEPT, HandshakeState, rank_identity
-from zmqdp._core.messages import Hello
+from zmqdp._core.handshake import RankUp, rank_identity
 from zmqdp._core.requests import Outcome
 from zmqdp._core.state import GroupCore
 from zmqdp._core.wire import NativeWire
@@ -311,12 +310,12 @@ def test_a_recovering_lockstep_group_waits_for_every_rank_then_serves() -> None:
     with pytest.raises(GroupRecovering, match="waits for every rank"):
         c.submit("b", None, object(), None, now=3)
     assert send(c, 0, 3.0, wave_complete=50).effects is None  # stale: rank 0 is down
-    c.on_rank_up(0, 4.0, epoch=30, hello_wave=2)
+    c.on_rank_up(RankUp(0, 30, hello_wave=2), 4.0)
     assert c.recovering  # rank 1 is not back yet
     c.on_rank_dead(0, "died again")  # a new incarnation dies while the group waits
     assert c.take_effects().forgets == [(0, True, 30)] and c.recovering
-    c.on_rank_up(0, 5.0, epoch=31, hello_wave=2)
-    c.on_rank_up(1, 5.0, epoch=32, hello_wave=3)
+    c.on_rank_up(RankUp(0, 31, hello_wave=2), 5.0)
+    c.on_rank_up(RankUp(1, 32, hello_wave=3), 5.0)
     assert c.closed is None and c.recoveries == 1 and c.clock.wave == 3
     assert c.submit("c", None, object(), 1, now=6).rank == 1
 
@@ -327,7 +326,7 @@ def test_a_new_incarnation_of_a_rank_still_up_ends_the_old_ones_requests() -> No
     will send."""
     c = core()
     c.submit("a", None, object(), 0, now=0)
-    c.on_rank_up(0, 1.0, epoch=99)
+    c.on_rank_up(RankUp(0, 99), 1.0)
     fx = c.take_effects()
     assert [type(err).__name__ for _, err in fx.ended or []] == ["EngineDead"]
     assert c.is_up(0) and c.health[0].epoch == 99 and not len(c.book)
@@ -343,7 +342,7 @@ def test_close_ends_a_recovery_for_good() -> None:
     assert c.recovering
     assert c.close("shutting down") is not None
     assert type(c.closed) is GroupClosed and not c.recovering
-    c.on_rank_up(0, 1.0, epoch=40)
+    c.on_rank_up(RankUp(0, 40), 1.0)
     assert not c.is_up(0)
     with pytest.raises(GroupClosed, match="shutting down"):
         c.submit("a", None, object(), None, now=2)
@@ -353,8 +352,8 @@ def test_without_recover_a_failed_lockstep_group_stays_closed() -> None:
     c = core(lockstep=True)
     c.on_rank_dead(1, "gone")
     assert type(c.closed) is GroupClosed and not c.recovering
-    c.on_rank_up(0, 1.0, epoch=40)
-    c.on_rank_up(1, 1.0, epoch=41)
+    c.on_rank_up(RankUp(0, 40), 1.0)
+    c.on_rank_up(RankUp(1, 41), 1.0)
     assert c.closed is not None and not c.is_up(0)
 
 
@@ -378,35 +377,8 @@ def test_one_wake_after_a_run_of_adds_in_a_lockstep_group_only() -> None:
     assert free.after_flush() is None
 
 
-def test_the_handshake_keeps_only_the_latest_rejections() -> None:
-    """A peer can send any number of bad HELLOs; memory must not grow with them."""
-    state = HandshakeState(1, "in", "out")
-    for i in range(1000):
-        state.on_hello(rank_identity(7), Hello(rank=7, size=1, lockstep=False, wave=i))
-    assert state.rejections == 1000
-    assert len(state.rejected) == MAX_REJECTIONS_KEPT and "rank 7" in state.rejected[-1]
-
-
 def test_long_batches_apply_in_slices_as_whole_and_stop_when_their_rank_dies() -> None:
     check_long_batches(GroupCore)()
-
-
-def test_rejoins_soon_after_the_previous_hello_are_one_identity_conflict_episode() -> None:
-    state = HandshakeState(1, "in", "out", conflict_window=30.0)
-    hello = Hello(rank=0, size=1, lockstep=False)
-    me = rank_identity(0)
-    assert state.on_hello(me, hello, now=0.0).conflict is None  # the first HELLO
-    assert state.on_hello(me, hello, now=2.0).conflict is None  # one quick restart: fine
-    assert state.on_hello(me, hello, now=100.0).conflict is None  # and one more, later
-    assert state.on_hello(me, hello, now=101.0).conflict is None  # ... and another
-    verdict = state.on_hello(me, hello, now=101.5)  # three HELLOs in 1.5 s: two processes
-    assert verdict.rejoin and verdict.conflict == 1.5
-    assert state.on_hello(me, hello, now=102.0).conflict is None  # same episode: reported once
-    assert state.identity_conflicts == 1 and state.rejoins[0] == 5
-    assert state.on_hello(me, hello, now=200.0).conflict is None  # quiet for a window
-    assert state.on_hello(me, hello, now=200.5).conflict is None
-    assert state.on_hello(me, hello, now=201.0).conflict == 1.0  # a new episode
-    assert state.identity_conflicts == 2
 
 
 def test_load_kv_out_of_64_bit_range_is_refused_and_null_is_absent() -> None:
@@ -488,7 +460,7 @@ def test_the_core_times_each_rank_from_its_batches_and_reads_its_capacity() -> N
     finishes (completions confirm the timing)."""
     c: GroupCore[object] = GroupCore(2, lockstep=False, speed=True)
     for r in range(2):
-        c.on_rank_up(r, 0.0, epoch=EPOCH[r], info={"max_num_seqs": 3 + r})
+        c.on_rank_up(RankUp(r, EPOCH[r], info={"max_num_seqs": 3 + r}), 0.0)
     assert [c.routing._capacity[r] for r in range(2)] == [3, 4]
     c.submit("a", None, object(), 1, now=0.0)
     wid = wire(c, "a")
@@ -531,7 +503,7 @@ def test_a_recovery_is_bounded_by_recover_timeout() -> None:
     assert c.recovering and c.next_deadline() == -math.inf
     c.on_deadline(10.0)
     assert c.next_deadline() == 15.0
-    c.on_rank_up(0, 12.0, epoch=40)
+    c.on_rank_up(RankUp(0, 40), 12.0)
     c.on_deadline(14.9)
     assert c.recovering
     c.on_deadline(15.0)
@@ -583,7 +555,7 @@ def test_requests_that_ended_with_a_resumable_rank_are_aborted_when_it_returns()
     wid = wire(c, "a")
     c.on_rank_dead(0, "missed heartbeats")
     c.take_effects()
-    c.on_rank_up(0, 5.0, epoch=EPOCH[0] + 1)
+    c.on_rank_up(RankUp(0, EPOCH[0] + 1), 5.0)
     sends = c.take_effects().sends or []
     aborts = [decode_request(*frames) for rank, frames in sends if rank == 0]
     assert any(getattr(a, "ids", None) == (wid,) for a in aborts), aborts

@@ -50,23 +50,33 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .codec import encode_handshake
 from .errors import ProtocolError, quote
 from .messages import PROTOCOL_VERSION, Hello, Init, Reject
 
 __all__ = [
     "MAX_REJECTIONS_KEPT",
+    "UNANSWERED_RESYNCS",
     "HandshakeState",
+    "HeldHello",
+    "Settled",
     "HelloVerdict",
     "RankPhase",
+    "RankUp",
     "identity_rank",
     "rank_identity",
 ]
 
 MAX_REJECTIONS_KEPT = 64
 """How many recent rejection reasons a `HandshakeTimeout` can name."""
+
+UNANSWERED_RESYNCS = 3
+"""RESYNCs that reach a rank's identity without a HELLO in answer before the client ends
+the displaced connections of earlier engines of the rank (`HandshakeState.resync_sent`)."""
 
 
 def rank_identity(rank: int) -> bytes:
@@ -101,14 +111,65 @@ class _Rank:
 
 @dataclass(frozen=True, slots=True)
 class HelloVerdict:
-    """What to answer a HELLO with, and what it means."""
+    """What a HELLO gets and what it means, on either wire (`HandshakeState.on_hello`,
+    `zmqdp.vllm.handshake.VllmHandshake.on_hello`)."""
 
-    reply: Init | Reject
     rank: int | None
+    """The rank its identity names (None: no rank of the group)."""
+    reply: bytes | None
+    """The encoded answer (natively INIT or REJECT, vLLM: the init), or None: nothing
+    is sent (vLLM's engines are not told of a refusal)."""
+    admitted: bool = False
+    """A new incarnation of `rank` begins: its connection is claimed for it."""
     rejoin: bool = False
     """The rank had been admitted: its previous incarnation is dead."""
     conflict: float | None = None
     """A new identity-conflict episode (report it): the seconds its three HELLOs took."""
+    refused: str | None = None
+    """Why it was refused (None: admitted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankUp:
+    """A rank's incarnation completed its handshake: what the group needs of it, built
+    by the handshake state machine of its wire (`rank_up`), so that nobody reads the
+    handshake state afterwards."""
+
+    rank: int
+    epoch: int | None
+    """The incarnation (§2.3: its epoch; vLLM: its incarnation count)."""
+    hello_wave: int | None = None
+    """The wave its HELLO said (lockstep, §5)."""
+    max_message_size: int | None = None
+    """What the rank said it accepts (None: the default)."""
+    info: Mapping[str, Any] = field(default_factory=dict)
+    """Its handshake metadata (READY info, vLLM's ready response)."""
+    version: str | None = None
+    """The protocol version spoken with the incarnation."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeldHello:
+    """A HELLO held while the heartbeats judge its rank's current connection."""
+
+    identity: bytes
+    hello: Hello
+    fd: int
+    """The connection it came on."""
+    deadline: float
+    """When the incumbent, still open, has proved alive: the HELLO is then refused."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What `HandshakeState.settle` decided about the held HELLOs."""
+
+    admit: list[HeldHello]
+    """The incumbent's connection closed: a restart. Answer each as a new HELLO."""
+    refuse: list[tuple[HeldHello, bytes]]
+    """The incumbent lives: a second process. Send it this REJECT."""
+    next_at: float
+    """When to settle again (inf: nothing held)."""
 
 
 class Handshake(Protocol):
@@ -141,6 +202,10 @@ class Handshake(Protocol):
 
     def ready(self) -> bool:
         """Every rank is up."""
+        ...
+
+    def rank_up(self, rank: int) -> RankUp:
+        """What the rank's incarnation said in its handshake (once it is up)."""
         ...
 
     def missing(self) -> dict[int, str]:
@@ -185,6 +250,10 @@ class HandshakeState:
         self._conflict_until = [-math.inf] * size
         self.ignored = 0
         self.stale_registers = 0
+        self._held: dict[int, HeldHello] = {}
+        """Rank -> a HELLO held while its current engine's connection is open."""
+        self._unanswered = [0] * size
+        """Per rank: routable RESYNCs since its last admitted HELLO."""
 
     # -- events -----------------------------------------------------------------------
 
@@ -232,6 +301,7 @@ class HandshakeState:
         conflict = self._rejoined(rank, now) if rejoin else None
         self._hellos[rank].append(now)
         self.rejected_ranks.pop(rank, None)
+        self._unanswered[rank] = 0
         epoch = self._next_epoch
         self._next_epoch += 1
         self._ranks[rank] = _Rank(
@@ -247,7 +317,7 @@ class HandshakeState:
             epoch=epoch,
             max_message_size=self.max_message_size,
         )
-        return HelloVerdict(init, rank, rejoin, conflict)
+        return HelloVerdict(rank, encode_handshake(init), True, rejoin, conflict)
 
     def _rejoined(self, rank: int, now: float) -> float | None:
         """Count a rejoin; if it is the second within `conflict_window` and no episode is
@@ -264,10 +334,118 @@ class HandshakeState:
         self.identity_conflicts += 1
         return span
 
+    # -- the contest: one rank, two connections ------------------------------------------
+
+    def contest(
+        self,
+        identity: bytes,
+        hello: Hello | ProtocolError,
+        fd: int,
+        now: float,
+        incumbent: frozenset[int],
+        judge_after: float | None,
+    ) -> bool:
+        """Whether to hold this HELLO (`settle` decides it later) rather than answer it:
+        a valid HELLO, on connection `fd`, of a rank whose current handshake connections
+        (`incumbent`, read from the monitor just before) are open and other: a second
+        process for the rank, or a restart while the old process is stopped or its
+        close is not seen yet. The heartbeats judge the incumbent within `judge_after`
+        s (None: nothing judges it, so the newest wins and nothing is held)."""
+        rank = identity_rank(identity)
+        if (
+            not isinstance(hello, Hello)
+            or fd < 0
+            or judge_after is None
+            or rank is None
+            or not incumbent
+            or fd in incumbent
+            or self.hello_problem(identity, hello) is not None  # REJECT, a rejoin
+        ):
+            return False
+        self._held[rank] = HeldHello(identity, hello, fd, now + judge_after)
+        return True
+
+    def holds(self, rank: int) -> bool:
+        """A HELLO of `rank` is held (no RESYNC: it would reach the newcomer, which
+        holds the identity's route, and make it start over right after its INIT)."""
+        return rank in self._held
+
+    def holding(self) -> bool:
+        """Some HELLO is held (`settle` has something to decide)."""
+        return bool(self._held)
+
+    def settle(
+        self,
+        now: float,
+        is_open: Callable[[int], bool],
+        incumbent: Callable[[int], frozenset[int]],
+    ) -> Settled:
+        """Decide the held HELLOs that can be decided (`is_open(fd)`: a connection is
+        open; `incumbent(rank)`: the rank's current connections). The newcomer left:
+        dropped. The incumbent closed: a restart, admitted. The incumbent stayed open
+        past the deadline: a second process, refused (an identity conflict)."""
+        admit: list[HeldHello] = []
+        refuse: list[tuple[HeldHello, bytes]] = []
+        next_at = math.inf
+        for rank, held in list(self._held.items()):
+            if not is_open(held.fd):
+                del self._held[rank]
+            elif not incumbent(rank):
+                del self._held[rank]
+                admit.append(held)
+            elif now >= held.deadline:
+                del self._held[rank]
+                self.identity_conflicts += 1
+                reason = (
+                    f"rank {rank} is served by another engine process, which is alive "
+                    "(its connection stays open and answers heartbeats); exactly one "
+                    "engine may run as a rank"
+                )
+                refuse.append((held, encode_handshake(self.on_refused(reason))))
+            else:
+                next_at = min(next_at, held.deadline)
+        return Settled(admit, refuse, next_at)
+
+    # -- restoring a route -------------------------------------------------------------
+
+    def resync_sent(self, rank: int) -> bool:
+        """A RESYNC reached `rank`'s identity. True if it is the `UNANSWERED_RESYNCS`-th
+        in a row without a HELLO: whoever holds the identity is no live engine of ours
+        (an idle intruder, a zombie), so the rank's displaced connections are ended
+        (`displaced`); the count starts again."""
+        self._unanswered[rank] += 1
+        if self._unanswered[rank] < UNANSWERED_RESYNCS:
+            return False
+        self._unanswered[rank] = 0
+        return True
+
+    @staticmethod
+    def displaced(
+        history: Iterable[int],
+        is_open: Callable[[int], bool],
+        owner: Callable[[int], int | None],
+        *,
+        unroutable: bool,
+    ) -> list[int]:
+        """Which of a rank's connections to end so that its engine reconnects and hears
+        the next RESYNC (`ROUTER_HANDOVER` cut it off: libzmq will neither close nor
+        route to it). `history`: the connections the rank ever claimed. `unroutable`
+        (a RESYNC found no route): no connection holds the identity, so every open one
+        is displaced (even one still claimed: an intruder's invalid HELLO is a rejoin
+        that leaves the real engine's claimed); otherwise only those nobody claims (the
+        rank's own engine may just be slow to answer)."""
+        return [fd for fd in sorted(history) if is_open(fd) and (unroutable or owner(fd) is None)]
+
     def on_invalid(self, identity: bytes, error: ProtocolError) -> Reject:
         """A handshake message that claims no type at all: refused, no rank touched."""
         reason = f"identity {identity.hex() or '(empty)'}: invalid message: {error.cause}"
         self._rejected(reason)
+        return Reject(reason)
+
+    def on_refused(self, reason: str) -> Reject:
+        """A HELLO refused outside `on_hello` (a second process for a rank whose engine
+        lives: the contest, `_transport._settle`): counted as a rejection."""
+        self.rejections += 1
         return Reject(reason)
 
     def _rejected(self, reason: str) -> None:
@@ -305,10 +483,25 @@ class HandshakeState:
         state.phase = RankPhase.UP if state.phase is RankPhase.READY else RankPhase.REGISTERED
         return state.phase is RankPhase.UP
 
-    def forget(self, rank: int, *, resync: bool = True) -> None:
-        """The rank died: it must say HELLO again. With `resync`, `resync_due` asks it
-        to, at once and then every `resync_interval` s."""
+    def on_ignored(self) -> None:
+        """A message that is no step of any handshake (malformed, unknown, too late)."""
+        self.ignored += 1
+
+    def forget(self, rank: int, *, resync: bool = True, epoch: int | None = None) -> bool:
+        """The incarnation `epoch` of the rank died (None: whichever is current): it must
+        say HELLO again. With `resync`, `resync_due` asks it to, at once and then every
+        `resync_interval` s. False, and nothing changes, if a newer HELLO was admitted
+        since (`superseded`): that handshake stands."""
+        if self.superseded(rank, epoch):
+            return False
         self._ranks[rank] = _Rank(resync=resync)
+        return True
+
+    def superseded(self, rank: int, epoch: int | None) -> bool:
+        """A forget of incarnation `epoch` comes after another HELLO of `rank` was
+        admitted (forgetting would drop that handshake's INIT, or RESYNC an engine that
+        is starting the new incarnation), or after that one was forgotten already."""
+        return epoch is not None and self._ranks[rank].epoch != epoch
 
     def resync_due(self, now: float) -> list[int]:
         """The ranks to send RESYNC to now; each is then not due for `resync_interval`."""
@@ -364,6 +557,10 @@ class HandshakeState:
     def ready(self) -> bool:
         return all(r.phase is RankPhase.UP for r in self._ranks)
 
+    def rank_up(self, rank: int) -> RankUp:
+        r = self._ranks[rank]
+        return RankUp(rank, r.epoch, r.wave, r.max_message_size, r.info, self.version(rank))
+
     def missing(self) -> dict[int, str]:
         """Every rank that is not up, with what it is waiting for (a rank whose HELLO
         was refused and that has not said another: the refusal)."""
@@ -402,4 +599,5 @@ class HandshakeState:
                 conflict = self._rejoined(rank, now)
                 self._hellos[rank].append(now)
                 self._ranks[rank] = _Rank()
-        return HelloVerdict(Reject(reason), rank, rejoin, conflict)
+        reply = encode_handshake(Reject(reason))
+        return HelloVerdict(rank, reply, False, rejoin, conflict, refused=reason)

@@ -97,6 +97,7 @@ from .errors import (
     ZmqdpError,
     quote,
 )
+from .handshake import RankUp
 from .messages import (  # re-exported: their old home
     DEFAULT_MAX_MESSAGE_SIZE,
     BadEntry,
@@ -377,6 +378,9 @@ class GroupCore(Generic[H]):
         self._long: dict[int, BatchRest] = {}
         self._held: dict[int, collections.deque[Incoming]] = {}
         self._held_bytes: dict[int, int] = {}
+        self._losses: list[tuple[float, int, int | None, str]] = []
+        """Connection losses reported and not judged yet: (when to judge, rank, the
+        incarnation whose connection closed, cause), in the order reported."""
 
     # -- ranks ------------------------------------------------------------------------
 
@@ -966,6 +970,8 @@ class GroupCore(Generic[H]):
     def next_deadline(self) -> float:
         """The earliest time `on_timeout` or `expire` has something to do (inf: nothing)."""
         deadline = self.next_expiry()
+        if self._losses:
+            deadline = min(deadline, self.next_loss())
         if self.recovering:
             deadline = min(deadline, -math.inf if self._recover_by is None else self._recover_by)
         for rank in range(self.size):
@@ -1041,37 +1047,36 @@ class GroupCore(Generic[H]):
         self._fx = Effects()
         return fx
 
-    def on_rank_up(
-        self,
-        rank: int,
-        now: float,
-        *,
-        epoch: int | None = None,
-        hello_wave: int | None = None,
-        max_message_size: int | None = None,
-        cap: int | str | None = None,
-        info: Mapping[str, Any] | None = None,
-    ) -> None:
-        """A new incarnation of `rank` finished its handshake: it takes requests, up to
-        `cap` in flight (`max_inflight`: an int, None for no cap, or "info" for the
+    def on_rank_up(self, up: RankUp, now: float, *, cap: int | str | None = None) -> None:
+        """A new incarnation of `up.rank` finished its handshake: it takes requests, up
+        to `cap` in flight (`max_inflight`: an int, None for no cap, or "info" for the
         `max_num_seqs` of its handshake `info`)."""
+        rank = up.rank
         if self.closed is not None and not self.recovering:
             return
         if self.is_up(rank):  # its predecessor's end (a closed connection) is not judged yet
-            # as a rejoin: the predecessor ends, the handshake just completed is kept (it
-            # must not be forgotten and RESYNCed, which would make the engine start over)
+            # as a rejoin: the predecessor ends with the reported cause, the handshake
+            # just completed is kept (it must not be forgotten and RESYNCed, which would
+            # make the engine start over)
+            cause = self.pending_cause(rank)
             self.on_rank_dead(
-                rank, "a new incarnation completed its handshake: this one is gone", rejoin=True
+                rank,
+                cause or "a new incarnation completed its handshake: this one is gone",
+                rejoin=True,
             )
             if self.closed is not None and not self.recovering:
                 return
         self.rank_up(
-            rank, now, epoch=epoch, hello_wave=hello_wave, max_message_size=max_message_size
+            rank,
+            now,
+            epoch=up.epoch,
+            hello_wave=up.hello_wave,
+            max_message_size=up.max_message_size,
         )
         if (orphans := self._orphans.pop(rank, None)) is not None:
             for frames in self._abort_frames(rank, orphans):
                 self._fx.send(rank, frames)
-        info = info or {}
+        info = up.info
         self.routing.set_cap(rank, self._cap(rank, cap, info))
         seqs = info.get("max_num_seqs")
         self.routing.set_capacity(rank, seqs if type(seqs) is int else None)
@@ -1340,10 +1345,60 @@ class GroupCore(Generic[H]):
         if clock.wave != self._wave_seen:
             self._wave_seen = self._fx.wave = clock.wave
 
+    # -- connection losses: the one place that decides a death by a closed connection --
+    #
+    # The transport only reports (`on_connection_lost`): it forgets nothing itself once
+    # the group exists. The report is judged here, later (`on_deadline`; the caller
+    # reads what is queued first: an engine that sent a request's last output and then
+    # exited must not see that request fail), against the incarnation it names.
+
+    def on_connection_lost(
+        self, rank: int, incarnation: int | None, cause: str, now: float, grace: float = 0.0
+    ) -> None:
+        """The connection of `rank`'s incarnation `incarnation` (its handshake epoch;
+        vLLM: its incarnation count) closed: judged by `on_deadline` at `now + grace` or
+        later (a grace lets a report of its other connections, naming the plain cause,
+        come first)."""
+        self._losses.append((now + grace, rank, incarnation, cause))
+
+    def next_loss(self) -> float:
+        """When the earliest unjudged connection loss is due (inf: none)."""
+        return min((loss[0] for loss in self._losses), default=math.inf)
+
+    def pending_cause(self, rank: int) -> str | None:
+        """The cause of an unjudged loss of `rank`'s current incarnation, if any."""
+        if not self.is_up(rank):
+            return None
+        epoch = self.health[rank].epoch
+        for _, r, incarnation, cause in self._losses:
+            if r == rank and incarnation == epoch:
+                return cause
+        return None
+
+    def _judge_losses(self, now: float) -> None:
+        """Judge every loss due by `now`, in order: the rank's current incarnation is
+        dead, once (a second report, of its other connection, changes nothing);
+        otherwise a handshake of that incarnation under way starts over (the forget
+        names it: the transport keeps a newer one, so a report about an incarnation
+        that is gone changes nothing)."""
+        due = sorted((loss for loss in self._losses if loss[0] <= now), key=lambda e: e[0])
+        if not due:
+            return
+        self._losses = [loss for loss in self._losses if loss[0] > now]
+        for _, rank, incarnation, cause in due:
+            if self.health[rank].epoch != incarnation:  # it never came up: its handshake
+                self._fx.forget(rank, True, incarnation)
+            elif self.is_up(rank):
+                self.on_rank_dead(rank, cause)
+            # else its death was judged already, and its forget ordered then
+
     def on_deadline(self, now: float) -> None:
-        """A deadline passed: expire requests, judge silence, WAKE stalled ranks, and
-        end a recovery that waited `recover_timeout`."""
+        """A deadline passed: judge the connection losses that are due, expire
+        requests, judge silence, WAKE stalled ranks, and end a recovery that waited
+        `recover_timeout`."""
         fx = self._fx
+        if self._losses:
+            self._judge_losses(now)
         if self.recovering:
             if self._recover_by is None:
                 self._recover_by = now + self.recover_timeout

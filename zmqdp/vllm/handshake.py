@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.errors import quote
+from .._core.handshake import HelloVerdict, RankUp
 from .codec import identity_rank, wire_version
 
 __all__ = ["HelloVerdict", "VllmHandshake"]
@@ -66,15 +67,6 @@ class _Rank:
     kept: tuple[dict[str, Any], dict[str, Any]] | None = None
     """The READY and ready response of an incarnation that was up when it was forgotten
     (`resume` may bring the same process back)."""
-
-
-@dataclass(frozen=True, slots=True)
-class HelloVerdict:
-    rank: int | None
-    reply: bytes | None
-    """The init to send back (None: the HELLO was refused, see `error`)."""
-    rejoin: bool = False
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -111,14 +103,14 @@ class VllmHandshake:
         if rank is None:
             why = f"identity {identity.hex()} is no rank of a group of {self.size}"
             self._reject(why)
-            return HelloVerdict(None, None, error=why)
+            return HelloVerdict(None, None, refused=why)
         r = self.ranks[rank]
         rejoin = r.hellos > 0
         r.hellos += 1
         r.incarnations += 1
         r.step, r.ready, r.response, r.rejected = _Step.HELLO, None, None, None
         r.kept = None  # a new process: the old one cannot come back
-        return HelloVerdict(rank, self.init_for(rank), rejoin=rejoin)
+        return HelloVerdict(rank, self.init_for(rank), admitted=True, rejoin=rejoin)
 
     def on_ready(self, identity: bytes, msg: dict[str, Any]) -> int | None:
         """READY on the handshake socket; returns the rank if it is now up."""
@@ -178,15 +170,35 @@ class VllmHandshake:
             return rank
         return None
 
-    def forget(self, rank: int, why: str | None = None) -> None:
-        """The rank is dead (`why`, if its connection closed): it is up again only
-        after a new HELLO."""
+    def on_ignored(self) -> None:
+        """A message that is no step of the handshake (malformed, unknown, too late)."""
+        self.ignored += 1
+
+    def superseded(self, rank: int, epoch: int | None) -> bool:
+        """A forget of incarnation `epoch` comes after a newer one of `rank` began (a
+        HELLO, a resumption): that one stands."""
+        current = self.epoch(rank)
+        return epoch is not None and current is not None and current != epoch
+
+    def note_lost(self, rank: int, epoch: int | None, why: str) -> None:
+        """The connection of incarnation `epoch` closed (for `missing`, if it is not
+        up again by then); its death is judged by the core."""
+        if not self.superseded(rank, epoch):
+            self.ranks[rank].lost = why
+
+    def forget(self, rank: int, why: str | None = None, *, epoch: int | None = None) -> bool:
+        """The incarnation `epoch` of the rank is dead (None: whichever is current;
+        `why`, if its connection closed): it is up again only after a new HELLO (or a
+        `resume`). False, and nothing changes, if a newer incarnation began since."""
+        if self.superseded(rank, epoch):
+            return False
         r = self.ranks[rank]
         if r.step is _Step.UP and r.ready is not None and r.response is not None:
             r.kept = (r.ready, r.response)
         r.step, r.ready, r.response = _Step.NEW, None, None
         if why is not None:
             r.lost = why
+        return True
 
     def resumable(self, rank: int) -> bool:
         """The rank is down, and its last incarnation was up: its process may answer."""
@@ -205,6 +217,9 @@ class VllmHandshake:
         r.incarnations += 1
         r.step = _Step.UP
         return True
+
+    def rank_up(self, rank: int) -> RankUp:
+        return RankUp(rank, self.epoch(rank), info=self.info(rank), version=self.version(rank))
 
     def is_up(self, rank: int) -> bool:
         return self.ranks[rank].step is _Step.UP

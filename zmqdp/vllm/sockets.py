@@ -316,8 +316,8 @@ class VllmTransport(TransportBase):
     def forget(self, rank: int, *, resync: bool = True, epoch: int | None = None) -> None:
         """The rank is dead: it is up again after a new HELLO (vLLM has no RESYNC: a
         vLLM engine does its handshake once, so only a restarted one comes back)."""
-        if self._superseded(rank, epoch):
-            return
+        if self.state.superseded(rank, epoch):
+            return  # a newer incarnation began since: it stands
         announced = rank in self._announced
         self._announced.discard(rank)
         if (
@@ -329,19 +329,22 @@ class VllmTransport(TransportBase):
             if outputs:  # its process may live: probe it (module docstring)
                 self._dormant[rank] = _Dormant(outputs, secrets.randbits(64))
                 self.input.kick()
-        self.state.forget(rank)
+        self.state.forget(rank, epoch=epoch)
         self._hello_seen[rank] = False
         self._hello_due.pop(rank, None)
         self._watch.release(rank)
         self._output_watches[rank][1].release(rank)
 
-    def _lost(self, rank: int) -> None:
-        self.state.forget(rank, "its connection closed after its HELLO (the engine died)")
+    def _lost(self, rank: int, incarnation: int | None) -> None:
+        self.state.note_lost(
+            rank, incarnation, "its connection closed after its HELLO (the engine died)"
+        )
 
     def _begin(self, rank: int) -> None:
         """A new incarnation of `rank`: the connections its output socket has now are
         its predecessors'; the ones accepted from now on are its own."""
         self._output_watches[rank][1].release(rank)
+        self._output_epochs[rank] = self.state.epoch(rank)
         self._hello_seen[rank] = True
 
     def _resync(self, now: float) -> float:
@@ -446,13 +449,14 @@ class VllmTransport(TransportBase):
             dormant.answered, dormant.next_probe = False, -math.inf
             self._dormant[rank] = dormant
             return
+        self.state.resume(rank)  # a new incarnation: its connections are claimed for it
+        self._claimed[rank] = self._output_epochs[rank] = self.state.epoch(rank)
         self._watch.claim(fd, rank)
         outputs = self._output_watches[rank][1]
         for out in dormant.outputs:
             if out in outputs:
                 outputs.accepted(out, rank)
         self._hello_seen[rank] = True
-        self.state.resume(rank)
         self.resumptions += 1
         log.warning(
             "rank %d: the engine process declared dead answers again on its connections "
@@ -468,22 +472,21 @@ class VllmTransport(TransportBase):
         """HELLO (answered with the rank's init) or READY on the handshake socket
         (`TransportBase.serve_handshake` reads them)."""
         if len(frames) != 2:
-            self.state.ignored += 1
+            self.state.on_ignored()
             return
         identity, body = frames
         try:
             msg = decode_hello(body)
         except ProtocolError as exc:
-            self.state.ignored += 1
+            self.state.on_ignored()
             self._logs.log(logging.WARNING, "hs", "handshake: from %s: %s", identity.hex(), exc)
             return
         status = msg["status"]
         if status == "HELLO":
             verdict = self.state.on_hello(identity, msg)
-            if verdict.reply is None:
-                log.warning("handshake: refused a HELLO: %s", verdict.error)
+            if not verdict.admitted or verdict.reply is None or verdict.rank is None:
+                log.warning("handshake: refused a HELLO: %s", verdict.refused)
                 return
-            assert verdict.rank is not None
             self._dormant.pop(verdict.rank, None)  # a new process: the old one is gone
             self._resume_due.discard(verdict.rank)
             if verdict.rejoin:
@@ -505,7 +508,7 @@ class VllmTransport(TransportBase):
             if (rank := self.state.on_ready(identity, msg)) is not None:
                 self._rank_up(rank)
         else:
-            self.state.ignored += 1
+            self.state.on_ignored()
 
     def _rank_up(self, rank: int) -> None:
         self._rank_is_up(rank, f"vLLM {self.state.version(rank)}")
@@ -517,7 +520,7 @@ class VllmTransport(TransportBase):
             try:
                 info = decode_ready_response(frames[1])
             except ProtocolError as exc:
-                self.state.ignored += 1
+                self.state.on_ignored()
                 self._logs.log(logging.WARNING, "in", "input: from %s: %s", frames[0].hex(), exc)
                 return
             awaiting = self.state.awaits_response(frames[0])
@@ -526,7 +529,7 @@ class VllmTransport(TransportBase):
             if awaiting is not None:
                 self._claim(fd, awaiting)
             return
-        self.state.ignored += 1
+        self.state.on_ignored()
 
     async def serve_coordinator(self) -> None:
         """Own the coordinator XPUB (MoE): count subscriptions, publish READY once all
