@@ -20,6 +20,7 @@ import pytest
 from zmqdp._core.handshake import RankPhase, rank_identity
 from zmqdp._core.messages import Hello
 from zmqdp._core.state import GroupCore
+from zmqdp._transport import TransportListener
 from zmqdp.values import ConnectOptions
 from zmqdp.vllm.sockets import VllmTransport
 
@@ -99,5 +100,39 @@ def test_native_a_judged_death_keeps_the_replacements_handshake(where: str) -> N
         assert hs.resync_due(1.0) == []  # no RESYNC to make it start over
         hs.on_ready(ME, {})
         assert hs.on_register(ME, hs.epoch(0))  # it comes up
+    finally:
+        transport.close()
+
+
+class Judge(TransportListener):
+    """A group that judges: records what the transport reports."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[int, int | None, str, float]] = []
+
+    def connection_lost(
+        self, rank: int, incarnation: int | None, cause: str, grace: float = 0.0
+    ) -> bool:
+        self.reports.append((rank, incarnation, cause, grace))
+        return True
+
+
+@pytest.mark.parametrize("judged", [True, False], ids=["a-group-judges", "at-start-up"])
+def test_the_transport_reports_a_closed_connection_and_decides_nothing(
+    where: str, judged: bool
+) -> None:
+    judge = Judge()
+    transport = GroupTransport(where, 1, listener=judge if judged else None)
+    try:
+        hs = transport.state
+        hs.on_hello(ME, Hello(rank=0, size=1, lockstep=False))
+        epoch = hs.epoch(0)
+        transport._connection_lost(0, epoch)  # its claimed connection closed
+        if judged:
+            [(rank, incarnation, cause, grace)] = judge.reports
+            assert (rank, incarnation, grace) == (0, epoch, 0.0) and "closed" in cause
+            assert hs.phase(0) is RankPhase.INIT_SENT  # the core will judge, not this
+        else:  # no group yet: that handshake starts over
+            assert hs.phase(0) is RankPhase.MISSING
     finally:
         transport.close()
