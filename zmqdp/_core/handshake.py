@@ -43,6 +43,22 @@ once every `resync_interval` seconds, until it says HELLO: `resync_due(now)` say
 to send it to. This is how a restarted client picks up engines that kept running, and
 how an engine whose connection libzmq dropped comes back (the engine recreates its
 sockets on RESYNC).
+
+Deaths are decided by `GroupCore`, never here: each `forget` names the incarnation it
+ends (its epoch), and one that names an older incarnation than the rank's latest
+admitted HELLO changes nothing (`superseded`): a replacement already under way keeps
+its handshake. A rank that comes up is described by one record (`RankUp`, from
+`rank_up`), which is all the group reads of its handshake.
+
+Two connections, one rank (§7). Every ROUTER hands a rank's identity to its newest
+connection, so a valid HELLO on another connection than the rank's open current one
+is a second process, or a restart whose predecessor's close is not seen yet: it is
+held (`contest`) while the heartbeats judge the incumbent, then admitted if the
+incumbent closed, or refused if it stayed open (`settle`: a second process, counted in
+`identity_conflicts`). And a RESYNC that finds no route, or the third in a row that gets
+no HELLO (`resync_sent`), means ROUTER_HANDOVER cut the rank's engine off: `displaced`
+names the connections to end, so that it reconnects and hears the next one. The caller
+owns the sockets and the connection watch, and only carries these verdicts out.
 """
 
 from __future__ import annotations

@@ -15,7 +15,11 @@ ROUTER route to it), and finally says **READY** on the handshake socket (with
 A rank is *up* once its READY and its ready response have both arrived after its
 latest HELLO, in either order. A HELLO from a rank that had said HELLO before is a
 **rejoin**: its previous incarnation is dead. A ready response from a rank with no
-HELLO (it belongs to an incarnation that is gone) is stale and ignored.
+HELLO (it belongs to an incarnation that is gone) is stale and ignored. Incarnations are
+counted (`epoch`): each `forget` names the one it ends, and a forget of an older one
+than the current changes nothing (`superseded`), so the core's judgement of a dead
+incarnation never wipes its replacement's handshake. A closed connection is only noted
+(`note_lost`, for the timeout's message): the core judges it.
 
 A vLLM engine does this handshake once per process. So a rank declared dead while its
 process lives (it missed heartbeats, on a stalled host) can only come back as the same
