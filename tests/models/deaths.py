@@ -48,6 +48,9 @@ from zmqdp.vllm.handshake import VllmHandshake
 
 N = 2
 GRACE = 0.1
+JUDGE = 3.5
+"""Seconds the heartbeats take to judge an incumbent (natively a HELLO on a second
+connection is held that long, `HandshakeState.contest`)."""
 
 
 class ForgetsAnyIncarnation(HandshakeState):
@@ -146,10 +149,34 @@ class DeathMachine(RuleBasedStateMachine):
 
     @rule(proc=processes)
     def hello(self, proc: tuple[int, int]) -> None:
-        """A process says HELLO on its connection."""
+        """A process says HELLO on its connection (natively held while the rank's
+        current connection is open and other: the contest)."""
         rank, fd = proc
         if fd not in self.open:
             return
+        if self.wire == "native":
+            hello = Hello(rank=rank, size=N, lockstep=False)
+            incumbent = self.sockets.watch.connections(rank)
+            if self.hs.contest(rank_identity(rank), hello, fd, self.now, incumbent, JUDGE):
+                return
+        self._answer_hello(rank, fd)
+
+    @precondition(lambda self: self.wire == "native" and self.hs.holding())
+    @rule(dt=st.sampled_from([0.0, 1.0, JUDGE]))
+    def settle(self, dt: float) -> None:
+        """The handshake decides the held HELLOs: a restart is admitted once the
+        incumbent closed; a second process is refused while it lives."""
+        self.now += dt
+        watch = self.sockets.watch
+        settled = self.hs.settle(self.now, watch.__contains__, watch.connections)
+        for held in settled.admit:
+            assert not watch.connections(held.hello.rank), "admitted over a live incumbent"
+            self._answer_hello(held.hello.rank, held.fd)
+        for held, _reply in settled.refuse:
+            assert watch.connections(held.hello.rank), "refused, yet the incumbent closed"
+            assert self.now >= held.deadline
+
+    def _answer_hello(self, rank: int, fd: int) -> None:
         identity = rank_identity(rank)
         if self.wire == "vllm":
             verdict = self.hs.on_hello(identity, {"status": "HELLO"})
