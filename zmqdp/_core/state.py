@@ -1362,8 +1362,11 @@ class GroupCore(Generic[H]):
         self._losses.append((now + grace, rank, incarnation, cause))
 
     def next_loss(self) -> float:
-        """When the earliest unjudged connection loss is due (inf: none)."""
-        return min((loss[0] for loss in self._losses), default=math.inf)
+        """When the earliest unjudged connection loss is due (inf: none). Asked once
+        per dispatcher pass: cheap when there is none."""
+        if not self._losses:
+            return math.inf
+        return min(loss[0] for loss in self._losses)
 
     def pending_cause(self, rank: int) -> str | None:
         """The cause of an unjudged loss of `rank`'s current incarnation, if any."""
