@@ -69,7 +69,7 @@ import trio
 import zmq
 
 from ._core.errors import HandshakeTimeout
-from ._core.handshake import Handshake, RankUp
+from ._core.handshake import RankUp
 from ._core.liveness import ConnectionWatch
 from ._core.messages import DEFAULT_MAX_MESSAGE_SIZE
 from ._core.outbox import Outbox
@@ -204,7 +204,8 @@ class TransportStatistics:
 
 
 class Transport(Protocol):
-    """What the client uses of a transport, on any wire."""
+    """What the client uses of a transport, on any wire. (Not its handshake state: what
+    a rank's handshake said comes in `TransportListener.rank_up`'s record.)"""
 
     output: ZSocket | ZSocketSet
     """The output socket (vLLM: one per rank), the dispatcher's alone."""
@@ -214,9 +215,6 @@ class Transport(Protocol):
     def lockstep(self) -> bool:
         """The ranks run in lockstep (their HELLOs said so, or the dialect: MoE)."""
         ...
-
-    @property
-    def state(self) -> Handshake: ...
 
     def send(self, rank: int, frames: Sequence[bytes]) -> None: ...
 
