@@ -19,7 +19,7 @@ import cbor2
 import trio
 import zmq
 
-from tests.fakes.engines import ScriptedEngine, start_engines
+from tests.fakes.engines import ScriptedEngine, start_engines, wait_ready
 from zmqdp import EngineGroup, Output, Request
 from zmqdp._core.codec import decode_handshake, decode_request, encode_handshake
 from zmqdp._core.handshake import rank_identity
@@ -70,11 +70,17 @@ async def group_of(
     tmp_path: Path, n: int, *, lockstep: bool = False, **kw: Any
 ) -> AsyncIterator[tuple[EngineGroup, list[ScriptedEngine]]]:
     """An `EngineGroup` of `n` `ScriptedEngine`s on an ipc URL under `tmp_path`; `kw`
-    goes to `EngineGroup.connect`. The engines stop when the group has closed."""
+    goes to `EngineGroup.connect`. The engines stop when the group has closed.
+
+    It yields once the group is up and every engine's task has set its handle: the
+    group is up as soon as the last REGISTER is read, which can be before an engine's
+    task resumes from `connect_engine` (a loaded machine), and a test must never see
+    that half-started engine."""
     url = f"ipc://{tmp_path}/g"
     async with trio.open_nursery() as nursery:
         engines = await start_engines(nursery, url, n, lockstep=lockstep)
         async with EngineGroup.connect(url, n, ready_timeout=READY_TIMEOUT, **kw) as group:
+            await wait_ready(engines)
             yield group, engines
         nursery.cancel_scope.cancel()
 

@@ -144,8 +144,7 @@ async def test_an_undecodable_batch_kills_the_rank_at_once(tmp_path: Path) -> No
     async with group_of(tmp_path, 1) as (group, engines):
         async with group.submit(Request("r", {"hold": True})) as stream:
             await engines[0].wait_for(lambda: engines[0].holds("r"))
-            out = engines[0].engine
-            assert out is not None
+            out = await engines[0].started()
             await out.send_raw_for_testing([b"\xc1"])  # not CBOR at all
             with pytest.raises(EngineDead, match=r"connection error.*invalid CBOR"):
                 await stream.receive()
@@ -361,10 +360,7 @@ async def test_an_invalid_batch_kills_only_its_rank_which_comes_back(
     tmp_path: Path, body: bytes
 ) -> None:
     async with group_of(tmp_path, 2) as (group, engines):
-        # the client can be connected before the engine's task resumes after its READY
-        await engines[0].ready.wait()
-        out = engines[0].engine
-        assert out is not None
+        out = await engines[0].started()
         await out.send_raw_for_testing([body])
         await group.rank_state(0).wait_value(RankState.DOWN)
         assert group.statistics().protocol_errors == 1
@@ -531,8 +527,7 @@ async def test_lockstep_group_fails_whole_for_every_cause(tmp_path: Path, cause:
             if cause == "dead":
                 await e1.emit(dead="bye")
             elif cause == "decode errors":
-                assert e1.engine is not None
-                await e1.engine.send_raw_for_testing([b"\xff"])
+                await (await e1.started()).send_raw_for_testing([b"\xff"])
             elif cause == "rejoin":
                 nursery.start_soon(ScriptedEngine(url, 1, 2, lockstep=True).run)
             else:  # silence: rank 0 keeps talking, rank 1 says nothing more

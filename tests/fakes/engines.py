@@ -10,6 +10,12 @@
 Every batch carries `load` from `load_override` if set, else from what it holds. Every
 inbound message is recorded in `inbox`, so tests can check what reached which rank.
 
+An engine's handle (`engine`) is set by its own task once `connect_engine` returns,
+which can be after the client has seen its READY and REGISTER: a group can be up
+while an engine's task has not resumed yet. So `ready` is set with the handle,
+`started()` waits for it, `emit` waits for it, and `wait_ready` lets a harness that
+connects its own group (tests/helpers.py `group_of`) yield only fully started engines.
+
 Engines only ever see wire ids (``app-id#serial``, docs/protocol.md §3): `held` is keyed
 by wire id, `holds(app_id)` and `wire(app_id)` translate for the tests.
 """
@@ -54,10 +60,16 @@ class ScriptedEngine:
             return self.load_override
         return Load(waiting=0, running=len(self.held), kv=0.1)
 
-    async def emit(self, outputs: tuple[Output, ...] = (), **fields: Any) -> None:
+    async def started(self) -> Engine:
+        """The engine's handle, once its task has set it (see the module docstring)."""
+        await self.ready.wait()
         assert self.engine is not None
+        return self.engine
+
+    async def emit(self, outputs: tuple[Output, ...] = (), **fields: Any) -> None:
+        engine = self.engine if self.engine is not None else await self.started()
         batch = OutputBatch(rank=self.rank, outputs=outputs, load=self._load(), **fields)
-        await self.engine.send(batch)
+        await engine.send(batch)
 
     def wire(self, request_id: str) -> str:
         """The wire id of the latest ADD this engine got for application id `request_id`."""
@@ -200,7 +212,17 @@ class SteppingEngine(ScriptedEngine):
 async def start_engines(
     nursery: trio.Nursery, url: str, n: int, *, lockstep: bool = False
 ) -> list[ScriptedEngine]:
+    """`n` engines for ranks 0..n-1 of a group at `url`, each running in `nursery`. They
+    cannot be waited for here (their handshake needs the client): once the group is
+    connected, `wait_ready(engines)` before using their handles."""
     engines = [ScriptedEngine(url, r, n, lockstep=lockstep) for r in range(n)]
     for e in engines:
         nursery.start_soon(e.run)
     return engines
+
+
+async def wait_ready(engines: list[ScriptedEngine]) -> None:
+    """Until every engine's task has set its handle: call it once the group is up, so
+    that no test sees an engine whose handshake is done but whose task has not resumed."""
+    for e in engines:
+        await e.ready.wait()
