@@ -1,6 +1,6 @@
 """A user's first hour with the command line (issue 23): the `zmqdp` console script,
 `python -m zmqdp` beside a `zmqdp/` folder, the mock's first line, one-line errors for
-a port in use, and the demo's error table.
+a port in use, and the demo's error table and log lines.
 
 Subprocess tests wait on the child's output or exit, never on a sleep; every async test
 runs under conftest.py's `trio.fail_after`.
@@ -13,12 +13,15 @@ import errno
 import importlib
 import importlib.metadata
 import importlib.util
+import io
+import logging
 import socket
 import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -245,3 +248,29 @@ def test_normalized_error_replaces_the_quoted_id_only() -> None:
     assert normalized_error(err, "a") == (
         "GroupClosed: request <id> failed: a rank is gone; 'ab' lives"
     )
+
+
+# -- the demo's log lines -------------------------------------------------------------------
+
+
+def test_the_demo_labels_zmqdp_log_lines_and_notes_the_planned_fault() -> None:
+    rich_console = pytest.importorskip("rich.console")
+    from zmqdp.demo import ConsoleLog, fault_note
+
+    buffer = io.StringIO()
+    handler = ConsoleLog(rich_console.Console(file=buffer, width=200))
+    log = logging.getLogger("zmqdp")
+    log.addHandler(handler)
+    try:
+        log.warning("rank %d: its connection closed", 1)
+        log.info("not shown: below WARNING")
+    finally:
+        log.removeHandler(handler)
+    assert buffer.getvalue() == "zmqdp: WARNING: rank 1: its connection closed\n"
+    assert handler.count == 1
+    args = SimpleNamespace(fault="rejoin", fault_rank=1)
+    note = fault_note(args, handler.count)  # type: ignore[arg-type]
+    assert note is not None and "injected fault (--fault rejoin on rank 1)" in note
+    assert "restarted engine" in note
+    assert fault_note(SimpleNamespace(fault=None, fault_rank=1), 3) is None  # type: ignore[arg-type]
+    assert fault_note(args, 0) is None  # type: ignore[arg-type]

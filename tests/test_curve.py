@@ -19,7 +19,15 @@ import pytest
 import trio
 import zmq
 
-from zmqdp import EngineDead, EngineGroup, HandshakeRejected, Output, RankState, Request
+from zmqdp import (
+    EngineDead,
+    EngineGroup,
+    HandshakeRejected,
+    HandshakeTimeout,
+    Output,
+    RankState,
+    Request,
+)
 from zmqdp._core.handshake import rank_identity
 from zmqdp._sockets import GroupTransport
 from zmqdp.engine import Add, OutputBatch, connect_engine
@@ -197,3 +205,28 @@ def test_a_tcp_url_needs_keys_or_insecure(keys: tuple[ClientKeys, list[EngineKey
         ("tcp://0.0.0.0:*", {"curve": keys[0]}),
     ]:
         GroupTransport(url, 1, advertise_host="127.0.0.1", **kw).close()
+
+
+# -- a copied key pair (issue 24 #11) ------------------------------------------------------
+
+
+async def test_a_rank_with_a_copied_key_pair_is_named_in_the_handshake_timeout(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 runs with rank 0's key pair: every message it sends is dropped as an
+    impersonation. The timeout used to say only "no HELLO yet" for rank 1."""
+    generate_keys(tmp_path / "keys", 2)
+    client = load_client_keys(tmp_path / "keys")
+    rank0 = load_engine_keys(tmp_path / "keys", 0)
+    url = f"ipc://{tmp_path}/g"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(echo, url, 0, 2, rank0)
+        nursery.start_soon(echo, url, 1, 2, rank0)  # the copy
+        with pytest.raises(HandshakeTimeout) as caught:
+            async with EngineGroup.connect(url, 2, curve=client, ready_timeout=1.0):
+                pass  # pragma: no cover
+        nursery.cancel_scope.cancel()
+    assert set(caught.value.missing) == {1}
+    text = str(caught.value)
+    assert "claiming rank 1 came with rank 0's key" in text, text
+    assert "rank 0's key pair copied as rank 1's" in text, text

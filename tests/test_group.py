@@ -1,12 +1,15 @@
 """EngineGroup over real ipc sockets, with scripted engines built on `zmqdp.engine`.
 
 The SMG connector's test list (the SMG connector's own list) is ported here; each test says
-which SMG test it stands for. Every test runs under the absolute time limit of conftest.py.
+which SMG test it stands for; beyond them, misuse from other threads and impossible group
+sizes. Every test runs under the absolute time limit of conftest.py.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import cbor2
 import pytest
@@ -29,11 +32,22 @@ from zmqdp import (
     Request,
     RequestAborted,
     StreamTruncated,
+    SubmitRefused,
 )
+from zmqdp._core.codec import decode_request
 from zmqdp.engine import Abort, Add, Resync, Wake
 from zmqdp.mock import MockConfig, run_mock_group
 
-from .helpers import READY_TIMEOUT, collect, group_of, inflight, wait_until, wakes
+from .helpers import (
+    READY_TIMEOUT,
+    RawEngine,
+    collect,
+    group_in_background,
+    group_of,
+    inflight,
+    wait_until,
+    wakes,
+)
 
 # -- SMG §7.2 ports -------------------------------------------------------------------
 
@@ -567,3 +581,120 @@ async def test_the_dispatcher_leaves_the_garbage_collector_as_it_found_it(
             assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+# -- threads (issue 24 #10) ----------------------------------------------------------------
+
+
+def _in_other_thread(fn: Any) -> BaseException | None:
+    """Run the coroutine function `fn` in a trio run of a new thread; its exception."""
+    caught: list[BaseException] = []
+
+    def main() -> None:
+        try:
+            trio.run(fn)
+        except BaseException as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=main)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the other thread is stuck"
+    return caught[0] if caught else None
+
+
+async def test_a_stream_read_from_another_thread_raises(tmp_path: Path) -> None:
+    """It used to park on a run the dispatcher never wakes: a silent stall."""
+    async with (
+        group_of(tmp_path, 1) as (group, engines),
+        group.submit(Request("r", {"hold": True})) as stream,
+    ):
+        await wait_until(engines[0].holds, "r")
+        error = await trio.to_thread.run_sync(_in_other_thread, stream.receive)
+        assert isinstance(error, RuntimeError)
+        assert "'r'" in str(error) and "another thread" in str(error)
+        await engines[0].finish("r")  # the group's own thread still reads it
+        assert [out.finish async for out in stream] == ["stop"]
+
+
+async def test_leaving_a_stream_in_another_thread_still_aborts_on_the_engine(
+    ctx: Any, tmp_path: Path
+) -> None:
+    """It used to end the request on the client and never send the ABORT: the input
+    task was rescheduled from a foreign thread, which does not wake the group's run.
+    The other thread waits for the ABORT itself, so nothing else wakes that run."""
+    url = f"ipc://{tmp_path}/g"
+    async with group_in_background(url, 1) as box:
+        engine = RawEngine(ctx, url, 0, 1)
+        await engine.handshake()
+        group = await box.wait()
+        stream = group.submit(Request("r", "x"))
+        added = await engine.request()
+        assert isinstance(added, Add)
+        assert engine.inp is not None
+        sock = engine.inp.sock
+
+        def leave_then_read() -> Any:
+            async def leave() -> None:
+                async with stream:
+                    pass
+
+            trio.run(leave)
+            # Blocking, in this thread, while the group's run is idle. The dispatcher's
+            # 1 s backstop wake used to deliver the ABORT (late, by luck): wait less.
+            if not sock.poll(700):
+                return None
+            return decode_request(*sock.recv_multipart())
+
+        got = await trio.to_thread.run_sync(leave_then_read)
+        assert isinstance(got, Abort) and got.ids == (added.id,), got
+        assert group.statistics().ranks[0].inflight == 0
+        engine.close()
+
+
+async def test_group_methods_refuse_another_thread(tmp_path: Path) -> None:
+    async with group_of(tmp_path, 1) as (group, _):
+
+        async def submit() -> None:
+            group.submit(Request("r", "x"))
+
+        error = await trio.to_thread.run_sync(_in_other_thread, submit)
+        assert isinstance(error, RuntimeError) and "another thread" in str(error)
+        error = await trio.to_thread.run_sync(_in_other_thread, lambda: group.abort("r"))
+        assert isinstance(error, RuntimeError)
+        assert group.statistics().ranks[0].inflight == 0
+
+
+# -- group size (issue 24 #12) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("engines", "error"),
+    [(70000, ValueError), (0, ValueError), (-1, ValueError), (True, TypeError), (2.0, TypeError)],
+)
+async def test_an_impossible_group_size_is_refused_before_binding(
+    tmp_path: Path, engines: Any, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="engines must be"):
+        async with EngineGroup.connect(f"ipc://{tmp_path}/g", engines):
+            pass
+    assert not (tmp_path / "g").exists()
+
+
+# -- submit of something that is not a Request ------------------------------------------
+
+
+async def test_submit_of_a_dict_is_an_invalid_request(tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/g"
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_mock_group, url, MockConfig(engines=1, step_time=0.001))
+            async with EngineGroup.connect(url, 1) as group:
+                with pytest.raises(InvalidRequest, match="not a dict") as refused:
+                    group.submit({"id": "x"})  # type: ignore[arg-type]
+                assert isinstance(refused.value, SubmitRefused)
+                assert "submit takes a zmqdp.Request" in str(refused.value)
+                with pytest.raises(InvalidRank, match="CALL needs an int rank"):
+                    await group.call("0", "ping")  # type: ignore[arg-type]
+                assert await group.call(0, "ping") == "pong"  # the group serves on
+            nursery.cancel_scope.cancel()

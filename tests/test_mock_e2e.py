@@ -2,7 +2,8 @@
 
 Lockstep groups must never hang (docs/protocol.md §5), each injected fault must produce
 the error the client promises and lose nothing, and least-loaded selection must shun a
-slow rank. Every test runs under the absolute time limit of conftest.py (raised with
+slow rank; `run_mock_group` (the mock in process) reports which of its ranks the
+client took. Every test runs under the absolute time limit of conftest.py (raised with
 `timeout_s` for these longer runs).
 """
 
@@ -19,7 +20,7 @@ import pytest
 import trio
 
 from zmqdp import EngineDead, EngineGroup, GroupClosed, HandshakeTimeout, RankState, Request
-from zmqdp.mock import mock_process
+from zmqdp.mock import MockConfig, MockRejected, RankFaults, mock_process, run_mock_group
 
 from .helpers import collect
 
@@ -296,3 +297,40 @@ async def test_a_rejoin_fault_capped_by_rejoins_restarts_the_rank_once(tmp_path:
             outs = await collect(group, Request(f"r{i}", body(TOKENS), rank=1))
             assert outs[-1].finish == "length"
         assert group.statistics().identity_conflicts == 0
+
+
+# -- run_mock_group: which ranks it reports up -----------------------------------------
+
+
+async def test_run_mock_group_reports_only_the_ranks_that_are_up(tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/g"
+    cfg = MockConfig(engines=2, step_time=0.001, faults={1: RankFaults(bad_hello="size")})
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+
+            async def client() -> None:
+                async with EngineGroup.connect(url, 2, ready_timeout=30):
+                    pass  # pragma: no cover - rank 1 never comes
+
+            nursery.start_soon(client)
+            up = await nursery.start(run_mock_group, url, cfg)
+            assert up == (0,)
+            nursery.cancel_scope.cancel()
+
+
+async def test_run_mock_group_raises_when_every_rank_is_rejected(tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/g"
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+
+            async def client() -> None:
+                async with EngineGroup.connect(url, 3, ready_timeout=30):
+                    pass  # pragma: no cover - no rank comes
+
+            nursery.start_soon(client)
+            with pytest.raises(MockRejected) as rejected:
+                await nursery.start(run_mock_group, url, MockConfig(engines=2))
+            nursery.cancel_scope.cancel()
+    message = str(rejected.value)
+    assert message.startswith("rank ") and "(and 1 more rank(s) likewise)" in message
+    assert "HELLO says size 2, the client expects 3" in message

@@ -19,7 +19,7 @@ import trio
 import trio.testing
 import zmq
 
-from zmqdp import HandshakeRejected, HandshakeTimeout
+from zmqdp import EngineDead, HandshakeRejected, HandshakeTimeout, Request
 from zmqdp._core.codec import decode_batch, decode_handshake, encode_request
 from zmqdp._core.handshake import rank_identity
 from zmqdp._core.messages import Add, Init, Output, OutputBatch, Reject, Resync, Wake
@@ -29,7 +29,15 @@ from zmqdp._util import LogLimiter
 from zmqdp._zmq import POLLIN, ZSocket
 from zmqdp.engine import connect_engine
 
-from .helpers import READY_TIMEOUT, client_in_background, free_tcp_url, raw
+from .helpers import (
+    READY_TIMEOUT,
+    RawEngine,
+    client_in_background,
+    free_tcp_url,
+    group_in_background,
+    group_of,
+    raw,
+)
 
 
 @pytest.fixture
@@ -458,3 +466,47 @@ def test_what_peers_cause_is_logged_ten_times_then_at_powers_of_ten(
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 10 + 3 + 1  # 1..10, then 100, 1000, 10000; the other kind
     assert lines[10:13] == [f"a peer did it ({n} times so far)" for n in (100, 1000, 10_000)]
+
+
+# -- an oversized output (issue 24 #1) -----------------------------------------------------
+
+
+async def test_an_output_over_max_message_size_ends_its_request_with_the_rank(
+    ctx: Any, tmp_path: Path
+) -> None:
+    """libzmq drops a message over `max_message_size` with its connection, and the
+    engine's DEALER reconnects: the request used to stay live forever, and nothing
+    counted the loss. The close of the rank's output connection is now its connection
+    error."""
+    url = f"ipc://{tmp_path}/g"
+    limit = 1 << 16
+    async with group_in_background(url, 1, max_message_size=limit) as box:
+        engine = RawEngine(ctx, url, 0, 1)
+        init = await engine.handshake()
+        group = await box.wait()
+        async with group.submit(Request("big", None)) as stream:
+            add = await engine.request()
+            first = {"id": add.id, "body": "first", "finish": None}
+            await engine.send_batch({"epoch": init.epoch, "outputs": [first]})
+            assert (await stream.receive()).body == "first"
+            last = {"id": add.id, "body": "x" * (2 * limit), "finish": "stop"}
+            await engine.send_batch({"epoch": init.epoch, "outputs": [last]})
+            with pytest.raises(EngineDead, match="max_message_size=65536") as caught:
+                await stream.receive()
+            assert caught.value.rank == 0 and caught.value.request_id == "big"
+        assert group.statistics().connections_lost == 1
+        engine.close()
+
+
+# -- what a peer can make the client buffer (issue 24) ----------------
+
+
+async def test_control_sockets_take_only_small_messages(tmp_path: Path) -> None:
+    """libzmq buffers a message being received in full: a peer that sends all of a
+    64 MiB HELLO but its last bytes held 64 MiB per connection. The handshake and input
+    sockets carry small messages only."""
+    async with group_of(tmp_path, 1) as (group, _):
+        transport = group._transport
+        assert transport.handshake.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+        assert transport.input.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+        assert transport.output.members[0].sock.getsockopt(zmq.MAXMSGSIZE) == 64 << 20

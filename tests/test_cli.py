@@ -1,6 +1,7 @@
-"""The review of issue 23's change ("a user's first hour"): `zmqdp serve ...` without the
-gateway extra, a mock the client rejects, the mock's banner for tcp and CURVE, the
-demo's log lines, and `submit` of something that is not a `Request`.
+"""The command line (`zmqdp/__main__.py`): `zmqdp serve ...` without the gateway extra,
+`zmqdp mock` against a client that rejects it, and the mock's banner for tcp and CURVE.
+(The console script, `python -m zmqdp`, the mock's first line and a port in use are in
+tests/test_cli_first_hour.py.)
 
 Subprocess tests wait on the child's output or exit, never on a sleep; every async test
 runs under conftest.py's `trio.fail_after`, and the I/O ones under their own too.
@@ -8,24 +9,20 @@ runs under conftest.py's `trio.fail_after`, and the I/O ones under their own too
 
 from __future__ import annotations
 
-import io
-import logging
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
 
-from zmqdp import EngineGroup, InvalidRank, InvalidRequest, SubmitRefused
+from zmqdp import EngineGroup
 from zmqdp.__main__ import main, mock_banner
-from zmqdp.mock import MockConfig, MockRejected, RankFaults, run_mock_group
 
 INSTALL = "pip install -e '.[gateway]'"
 
-# -- 1. serve without the gateway extra ---------------------------------------------------
+# -- serve without the gateway extra ---------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -81,7 +78,7 @@ def test_serve_mock_without_hypercorn_in_a_real_process() -> None:
         assert "unrecognized arguments" not in result.stderr
 
 
-# -- 2. a mock the client rejects ----------------------------------------------------------
+# -- a mock the client rejects ----------------------------------------------------------
 
 
 async def test_a_mock_of_the_wrong_size_exits_with_one_line(tmp_path: Path) -> None:
@@ -137,41 +134,7 @@ async def test_a_mock_of_the_wrong_size_exits_with_one_line(tmp_path: Path) -> N
     assert "ranks up" not in out.decode() and "up at" not in out.decode()
 
 
-async def test_run_mock_group_reports_only_the_ranks_that_are_up(tmp_path: Path) -> None:
-    url = f"ipc://{tmp_path}/g"
-    cfg = MockConfig(engines=2, step_time=0.001, faults={1: RankFaults(bad_hello="size")})
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-
-            async def client() -> None:
-                async with EngineGroup.connect(url, 2, ready_timeout=30):
-                    pass  # pragma: no cover - rank 1 never comes
-
-            nursery.start_soon(client)
-            up = await nursery.start(run_mock_group, url, cfg)
-            assert up == (0,)
-            nursery.cancel_scope.cancel()
-
-
-async def test_run_mock_group_raises_when_every_rank_is_rejected(tmp_path: Path) -> None:
-    url = f"ipc://{tmp_path}/g"
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-
-            async def client() -> None:
-                async with EngineGroup.connect(url, 3, ready_timeout=30):
-                    pass  # pragma: no cover - no rank comes
-
-            nursery.start_soon(client)
-            with pytest.raises(MockRejected) as rejected:
-                await nursery.start(run_mock_group, url, MockConfig(engines=2))
-            nursery.cancel_scope.cancel()
-    message = str(rejected.value)
-    assert message.startswith("rank ") and "(and 1 more rank(s) likewise)" in message
-    assert "HELLO says size 2, the client expects 3" in message
-
-
-# -- 6. the banner's call binds the URL as given --------------------------------------------
+# -- the banner's call binds the URL as given --------------------------------------------
 
 
 def test_the_banner_says_insecure_for_tcp_and_curve_with_keys() -> None:
@@ -184,48 +147,3 @@ def test_the_banner_says_insecure_for_tcp_and_curve_with_keys() -> None:
         "EngineGroup.connect('tcp://127.0.0.1:5555', 2, curve=zmqdp.keys.load_client_keys('/k/g1'))"
     )
     assert "rank(s) 1 of a lockstep group of 2" in keys
-
-
-# -- 3. the demo's log lines ----------------------------------------------------------------
-
-
-def test_the_demo_labels_zmqdp_log_lines_and_notes_the_planned_fault() -> None:
-    rich_console = pytest.importorskip("rich.console")
-    from zmqdp.demo import ConsoleLog, fault_note
-
-    buffer = io.StringIO()
-    handler = ConsoleLog(rich_console.Console(file=buffer, width=200))
-    log = logging.getLogger("zmqdp")
-    log.addHandler(handler)
-    try:
-        log.warning("rank %d: its connection closed", 1)
-        log.info("not shown: below WARNING")
-    finally:
-        log.removeHandler(handler)
-    assert buffer.getvalue() == "zmqdp: WARNING: rank 1: its connection closed\n"
-    assert handler.count == 1
-    args = SimpleNamespace(fault="rejoin", fault_rank=1)
-    note = fault_note(args, handler.count)  # type: ignore[arg-type]
-    assert note is not None and "injected fault (--fault rejoin on rank 1)" in note
-    assert "restarted engine" in note
-    assert fault_note(SimpleNamespace(fault=None, fault_rank=1), 3) is None  # type: ignore[arg-type]
-    assert fault_note(args, 0) is None  # type: ignore[arg-type]
-
-
-# -- 7. submit of something that is not a Request ------------------------------------------
-
-
-async def test_submit_of_a_dict_is_an_invalid_request(tmp_path: Path) -> None:
-    url = f"ipc://{tmp_path}/g"
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_mock_group, url, MockConfig(engines=1, step_time=0.001))
-            async with EngineGroup.connect(url, 1) as group:
-                with pytest.raises(InvalidRequest, match="not a dict") as refused:
-                    group.submit({"id": "x"})  # type: ignore[arg-type]
-                assert isinstance(refused.value, SubmitRefused)
-                assert "submit takes a zmqdp.Request" in str(refused.value)
-                with pytest.raises(InvalidRank, match="CALL needs an int rank"):
-                    await group.call("0", "ping")  # type: ignore[arg-type]
-                assert await group.call(0, "ping") == "pong"  # the group serves on
-            nursery.cancel_scope.cancel()
