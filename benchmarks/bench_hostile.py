@@ -31,6 +31,7 @@ import trio
 import trio.testing
 import zmq
 
+import zmqdp.testing
 from zmqdp import EngineGroup, Request
 from zmqdp._core import cbor
 from zmqdp._core.codec import decode_request
@@ -177,9 +178,9 @@ async def blocked_rank(requests: int, block: bool) -> tuple[float, float]:
                         async for _ in stream:
                             pass
                     latencies.append(time.perf_counter() - start)
-                waits = group._transport.input.statistics().waits
+                waits = zmqdp.testing.input_statistics(group).waits
                 await trio.sleep(1.0)  # idle: only a blocked rank's retries wake the task
-                rate = group._transport.input.statistics().waits - waits
+                rate = zmqdp.testing.input_statistics(group).waits - waits
             fast.close()
             slow.close()
             nursery.cancel_scope.cancel()

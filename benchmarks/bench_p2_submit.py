@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import tempfile
 import time
 from typing import Any
@@ -25,6 +26,7 @@ import zmq
 from _engines import engine_process, plain_sink, sink
 from _harness import Row, median, save
 
+import zmqdp.testing
 from zmqdp import EngineGroup, Request
 from zmqdp._core.codec import encode_request
 from zmqdp._core.messages import Add
@@ -33,7 +35,7 @@ BODY = {"prompt": list(range(16)), "max_tokens": 64}
 
 
 async def zmqdp_round(group: EngineGroup, n: int, serial: int) -> float:
-    input_stats = group._transport.input.statistics
+    input_stats = functools.partial(zmqdp.testing.input_statistics, group)
     sent = input_stats().sent
     streams = []
     start = time.perf_counter()

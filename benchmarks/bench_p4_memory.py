@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import tempfile
 import tracemalloc
@@ -23,6 +24,7 @@ import trio
 from _engines import engine_process, sink
 from _harness import Row, save
 
+import zmqdp.testing
 from zmqdp import EngineGroup, Request, RequestStream
 
 
@@ -33,7 +35,7 @@ async def measure(n: int) -> tuple[float, float]:
         for rank in range(2):
             stack.enter_context(engine_process(sink, url, rank, 2))
         async with EngineGroup.connect(url, 2, ready_timeout=30) as group:
-            sent = group._transport.input.statistics
+            sent = functools.partial(zmqdp.testing.input_statistics, group)
             body = {"prompt": [1, 2, 3], "max_tokens": 16}
             group.submit(Request("warm", body))
             gc.collect()

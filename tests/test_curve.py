@@ -19,6 +19,7 @@ import pytest
 import trio
 import zmq
 
+import zmqdp.testing
 from zmqdp import (
     EngineDead,
     EngineGroup,
@@ -137,7 +138,7 @@ async def test_a_foreign_key_is_refused_and_cannot_inject(
         ):
             # a rogue with a valid key pair the client does not allow
             rogue = raw(ctx, zmq.DEALER, rank_identity(0), curve_options(foreign))
-            rogue.sock.connect(group._transport.output_address)
+            rogue.sock.connect(zmqdp.testing.output_address(group))
             forged = {"rank": 0, "outputs": [{"id": stream.wire_id, "finish": "stop"}]}
             rogue.send_nowait([cbor2.dumps(forged)])  # queued until the handshake
             await wait_until(lambda: group.statistics().refused_connections == 1)
@@ -175,7 +176,7 @@ async def test_an_allowed_key_claiming_another_ranks_identity_on_the_output_sock
         # output connection (ROUTER_HANDOVER), it makes rank 0 dead at once...
         async with group.submit(Request("live", "hold", 0)) as stream:
             out = raw(ctx, zmq.DEALER, rank_identity(0), curve_options(engine_keys[1]))
-            out.sock.connect(group._transport.output_address)
+            out.sock.connect(zmqdp.testing.output_address(group))
             forged = {"rank": 0, "outputs": [{"id": stream.wire_id, "finish": "stop"}]}
             out.send_nowait([cbor2.dumps(forged)])
             with pytest.raises(EngineDead, match="another rank's key"):

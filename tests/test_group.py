@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+import zmqdp.testing
 from tests.fakes.engines import ScriptedEngine, start_engines
 from zmqdp import (
     CallFailed,
@@ -430,12 +431,11 @@ async def test_a_send_to_a_rank_whose_engine_is_gone_fails_its_request_at_once(
         nursery.start_soon(engines[0].run)
         nursery.start_soon(fragile)
         async with EngineGroup.connect(url, 2, ready_timeout=READY_TIMEOUT) as g:
-            input_socket = g._transport.input
 
             def fd_wakeups() -> int:
                 """How often the input task woke up because the socket's fd became
                 readable (not because the adapter's safety timeout expired)."""
-                stats = input_socket.statistics()
+                stats = zmqdp.testing.input_statistics(g)
                 return stats.waits - stats.fallbacks
 
             await trio.testing.wait_all_tasks_blocked()  # the input task is parked

@@ -30,6 +30,7 @@ import trio
 import trio.testing
 import zmq
 
+import zmqdp.testing
 from tests.fakes.engines import ScriptedEngine, start_engines
 from zmqdp import (
     EngineDead,
@@ -76,7 +77,7 @@ async def test_a_rank_that_stops_reading_delays_only_itself(ctx: Any, tmp_path: 
                 for _ in range(32):
                     streams.append(group.submit(Request(f"s{len(streams)}", "x" * 1000, 1)))
                 await trio.testing.wait_all_tasks_blocked()  # the input task sent what it could
-            rounds = group._transport.statistics().input_rounds
+            rounds = zmqdp.testing.transport_statistics(group).input_rounds
 
             assert await collect(group, Request("fast", "hello", 0)) == [
                 Output("fast", "hello", "stop")
@@ -87,7 +88,7 @@ async def test_a_rank_that_stops_reading_delays_only_itself(ctx: Any, tmp_path: 
 
             await group.rank_state(1).wait_value(RankState.DOWN)  # the send timeout
             # a backing-off retry timer, not a busy loop (which woke ~10^5 times a second)
-            assert group._transport.statistics().input_rounds - rounds < 400
+            assert zmqdp.testing.transport_statistics(group).input_rounds - rounds < 400
             with pytest.raises(EngineDead, match="send timeout"):
                 await streams[-1].receive()
             assert group.statistics().ranks[1].queued == 0  # dropped with the rank
@@ -527,7 +528,7 @@ async def test_an_output_socket_taken_over_kills_the_rank_which_returns(
         await engines[0].emit((Output(engines[0].wire("held"), "first", None),))
         assert (await stream.receive()).body == "first"
         intruder = raw(ctx, zmq.DEALER, rank_identity(0))
-        intruder.sock.connect(group._transport.output_address)
+        intruder.sock.connect(zmqdp.testing.output_address(group))
         await intruder.send([cbor2.dumps({"rank": 0, "outputs": []})])
         with pytest.raises(EngineDead, match="took its identity on the output socket"):
             await stream.receive()

@@ -20,6 +20,7 @@ import pytest
 import trio
 import zmq
 
+import zmqdp.testing
 import zmqdp.vllm
 from tests.fakes.vllm import FakeVllmGroup, outputs_message
 from zmqdp import EngineGroup, GroupClosed, GroupRecovering, RankState, Request
@@ -201,12 +202,11 @@ async def test_vllm_moe_restart_while_the_old_group_hangs_keeps_the_new_handshak
                 await back(group)
                 for rank in (0, 1):
                     assert len(await collect(group, vreq(f"after-{rank}", 2, rank=rank))) == 2
-                watch = group._transport._watch
-                open_connections = len(watch)
+                before = zmqdp.testing.open_connections(group)
                 for engine in old.engines:
                     engine.vanish()  # the hung predecessors finally go: nobody dies of it
                 with trio.fail_after(5):
-                    await wait_until(lambda: len(watch) <= open_connections - 2)
+                    await wait_until(lambda: zmqdp.testing.open_connections(group) <= before - 2)
                 assert all(group.rank_state(r).value is RankState.UP for r in (0, 1))
                 assert group.statistics().connections_lost == 0
                 assert len(await collect(group, vreq("after-all", 2, rank=0))) == 2

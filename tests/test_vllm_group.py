@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import trio
-import zmq
 
+import zmqdp.testing
 import zmqdp.vllm
 from tests.fakes.vllm import ENGINE_CORE_DEAD, FakeVllmGroup, output_entry, outputs_message
 from zmqdp import RankState
@@ -507,9 +507,8 @@ async def test_a_tcp_url_needs_insecure(url: str, who: str) -> None:
 
 async def test_every_receiving_socket_bounds_its_frames() -> None:
     async with vllm_group(1, max_message_size=1 << 20) as (group, _):
-        transport = group._transport
-        for zs in (*transport.outputs, transport.input, transport.handshake):
-            assert zs.sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
+        limits = zmqdp.testing.message_size_limits(group)
+        assert limits == {"handshake": (1 << 20,), "input": (1 << 20,), "output": (1 << 20,)}
 
 
 async def test_an_output_over_max_message_size_fails_its_rank_instead_of_hanging() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
+import zmqdp.testing
 from zmqdp import GroupClosed, GroupRecovering, RankState
 from zmqdp.vllm import VllmGroup
 
@@ -38,7 +39,7 @@ def test_the_init_names_no_coordination_store(moe: GroupHost) -> None:
     """What made real MoE groups fail to start: a non-zero `_coord_store_port`."""
     group = moe.group
     assert group is not None
-    config = group._transport.parallel_config
+    config = zmqdp.testing.parallel_config(group)
     assert config["_coord_store_port"] == 0
     assert len(config["_data_parallel_master_port_list"]) >= 5
 
