@@ -1,25 +1,46 @@
-"""What the gateway tests share, on trio (tests/test_gateway.py, hypercorn) and on
-asyncio (tests/test_gateway_asyncio.py, uvicorn): an engine and a frontend a test can
-drive, the SSE reader, the metrics parser, and the client side of the `serve` command's
-SIGTERM drain. httpx runs on both libraries, so the client code here does too.
+"""What the gateway tests share, on trio (hypercorn) and on asyncio and uvloop (uvicorn):
+an engine and a frontend a test can drive, the servers themselves, the SSE reader, the
+metrics parser, and the client side of the `serve` command's SIGTERM drain.
+
+A behaviour is written once and run on every server (`SERVERS`, the `server` fixture
+of a module: ``server = pytest.fixture(params=SERVERS, name="server")(server_param)``):
+`on_server(server, tmp_path, body)` runs ``body(served)`` in the server's own loop
+(a trio run for hypercorn, `asyncio.run` or `uvloop.run` for uvicorn) against a
+gateway over `TokenEngine`s in a thread of their own (`EngineThread`), which the body
+sees through snapshots. httpx and anyio run on both libraries, so the bodies do too.
+Every body runs under a time limit of `TIME_LIMIT` s; nothing waits on the clock to
+synchronize.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
+import uvicorn
+from hypercorn.config import Config
+from hypercorn.trio import serve
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from tests.fakes.engines import ScriptedEngine
+from tests.fakes.threaded import RUNNERS, TIME_LIMIT, EngineThread, run_limited, url_in
+from zmqdp import GroupStatistics
 from zmqdp._core.messages import Output
 from zmqdp.engine import Abort, Add
-from zmqdp.gateway import CompletionRequest, Piece, Prepared
+from zmqdp.gateway import CompletionRequest, GatewayApp, Piece, Prepared, create_app
+
+from .helpers import READY_TIMEOUT
 
 # -- engines and a frontend a test can drive -------------------------------------------
 
@@ -72,6 +93,149 @@ def hold(tokens: int = 0, **fields: Any) -> dict[str, Any]:
     if tokens:
         script["tokens"] = tokens
     return {"prompt": "x", "max_tokens": 100, "script": script, **fields}
+
+
+# -- the servers ------------------------------------------------------------------------
+
+SERVERS = ["hypercorn", *(f"uvicorn-{loop}" for loop in sorted(RUNNERS))]
+"""hypercorn's trio worker, and uvicorn on each asyncio loop (asyncio, uvloop)."""
+
+
+def server_param(request: pytest.FixtureRequest) -> str:
+    """The body of a module's `server` fixture (module docstring)."""
+    return str(request.param)
+
+
+def run_on(server: str, main: Callable[[], Awaitable[None]]) -> None:
+    """`main()` in `server`'s loop, under a time limit of `TIME_LIMIT` s."""
+    if server == "hypercorn":
+
+        async def limited() -> None:
+            with trio.fail_after(TIME_LIMIT):
+                await main()
+
+        trio.run(limited)
+    else:
+        run_limited(RUNNERS[server.removeprefix("uvicorn-")], main)
+
+
+class UvicornServer(uvicorn.Server):
+    """uvicorn's `Server`, telling when it listens."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.listening.set()
+
+
+def uvicorn_server(app: GatewayApp) -> UvicornServer:
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        lifespan="on",
+        log_level="warning",
+        loop="none",  # the test's loop: serve() runs in it
+        timeout_graceful_shutdown=2,
+    )
+    return UvicornServer(config)
+
+
+@asynccontextmanager
+async def serving(
+    server: str, app: GatewayApp, **config_options: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """`app` on `server` in this loop on 127.0.0.1 (an OS-assigned port), and a client
+    of it. The server stops (lifespan shutdown: drain and close) when the block ends.
+    `config_options`: attributes of hypercorn's `Config` (`keep_alive_timeout`...)."""
+    if server == "hypercorn":
+        config = Config()
+        config.bind = ["127.0.0.1:0"]
+        config.graceful_timeout = 2.0
+        for name, value in config_options.items():
+            setattr(config, name, value)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(serve, app, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+            async with httpx.AsyncClient(base_url=binds[0], timeout=15) as client:
+                yield client
+            stop.set()
+        return
+    assert not config_options, "uvicorn's configuration is fixed here"
+    userver = uvicorn_server(app)
+
+    async def serve_it() -> None:
+        try:
+            await userver.serve()
+        except SystemExit as exc:  # a failed lifespan startup
+            raise AssertionError(f"uvicorn exited with {exc.code} at startup") from None
+
+    running = asyncio.create_task(serve_it())
+    listening = asyncio.create_task(userver.listening.wait())
+    await asyncio.wait([running, listening], return_when=asyncio.FIRST_COMPLETED)
+    if not listening.done():
+        listening.cancel()
+        await running
+        raise AssertionError("uvicorn stopped before it listened")
+    host, port = userver.servers[0].sockets[0].getsockname()[:2]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=15) as client:
+            yield client
+    finally:
+        userver.should_exit = True
+        await running
+
+
+@dataclass
+class Served:
+    """What a body sees: the client, the app, and the engines behind it."""
+
+    client: httpx.AsyncClient
+    app: GatewayApp
+    engines: EngineThread
+    server: str
+
+    def stats(self) -> GroupStatistics:
+        assert self.app.group is not None
+        return self.app.group.statistics()
+
+    async def finish_held(self, rank: int = 0) -> None:
+        """Finish the one request rank `rank` holds (" tdone", finish "stop")."""
+        [wire] = (await self.engines.wait_for(rank, lambda v: len(v.held) == 1)).held
+        await self.engines.finish(rank, wire.rpartition("#")[0])
+
+
+Body = Callable[[Served], Awaitable[None]]
+
+
+def on_server(
+    server: str,
+    tmp_path: Path,
+    body: Body,
+    n: int = 1,
+    *,
+    config: dict[str, Any] | None = None,
+    **kw: Any,
+) -> None:
+    """`body(served)` in `server`'s loop, against a gateway on `server` over `n`
+    `TokenEngine`s (`ScriptFrontend`); `kw` go to `create_app`, `config` to `serving`.
+    Afterwards the lifespan shutdown has closed the group."""
+    with EngineThread(url_in(tmp_path), n, engine=TokenEngine) as engines:
+
+        async def main() -> None:
+            engines.attach()
+            app = create_app(
+                engines.url, n, frontend=ScriptFrontend(), ready_timeout=READY_TIMEOUT, **kw
+            )
+            async with serving(server, app, **(config or {})) as client:
+                await body(Served(client, app, engines, server))
+            assert app.group is not None and app.group.closed is not None
+
+        run_on(server, main)
 
 
 # -- reading responses --------------------------------------------------------------------

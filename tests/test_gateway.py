@@ -1,15 +1,23 @@
-"""The HTTP gateway (`zmqdp.gateway`) over real HTTP: httpx against hypercorn's trio
-worker on 127.0.0.1 (an OS-assigned port), in front of an embedded mock group or of
+"""The HTTP gateway (`zmqdp.gateway`) over real HTTP: httpx against a server on
+127.0.0.1 (an OS-assigned port), in front of an embedded mock group or of
 `ScriptedEngine`s that a test drives by hand.
 
 What a client of an OpenAI-compatible server relies on: the JSON and SSE formats, the
 status of every failure (400, 429 + Retry-After, 503, 504, 502), that a client that goes
-away stops the generation on its rank (streaming or not), probes and metrics, and that a
-drain turns readiness off first and lets live streams finish.
+away stops the generation on its rank exactly once (streaming or not), probes and
+metrics, and that a drain turns readiness off first and lets live streams finish.
+
+Each behaviour that involves the server is written once and runs on every server (the
+`server` fixture: hypercorn's trio worker with an `EngineGroup`, uvicorn on asyncio and
+on uvloop with an `AsyncioEngineGroup`; tests/gateway_helpers.py `on_server`), against
+engines in a thread of their own. What the app alone decides (request parsing, the
+frontend's errors, the mock's answers) runs on hypercorn only, against the embedded mock
+or engines in the test's own trio run; what only one server has (its startup failure,
+`serve --server uvicorn`) is in tests/test_gateway_asyncio.py for uvicorn.
 
 Nothing waits on the clock to synchronize: engines are driven by hand and waited on
-(`wait_for`, `wait_until`). Every test runs under the absolute `trio.fail_after` of
-conftest.py.
+(`wait_for`, `wait_until`). Every test runs under a time limit: conftest.py's
+`trio.fail_after`, or `on_server`'s.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import trio
@@ -32,27 +41,36 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from hypercorn.utils import LifespanFailureError
 
+from tests.fakes.threaded import EngineThread, url_in, wait_until
 from zmqdp import EngineGroup, GroupStatistics
+from zmqdp.aio import AsyncioEngineGroup
 from zmqdp.engine import Add
 from zmqdp.gateway import CompletionRequest, GatewayApp, MockFrontend, Prepared, create_app
 from zmqdp.mock import MockConfig
 
 from .gateway_helpers import (
+    SERVERS,
     Metrics,
     ScriptFrontend,
+    Served,
     TokenEngine,
-    aborted,
     all_events,
     check_sigterm_drain,
     events,
     hold,
+    on_server,
     read_banner,
+    run_on,
     serve_command,
     served_url,
+    server_param,
 )
-from .helpers import READY_TIMEOUT, wait_until
+from .gateway_helpers import serving as serving_on
+from .helpers import READY_TIMEOUT
 
 FAST_MOCK = MockConfig(engines=2, step_time=0.002)
+
+server = pytest.fixture(params=SERVERS, name="server")(server_param)
 
 
 # -- serving ----------------------------------------------------------------------------
@@ -119,7 +137,7 @@ async def test_a_completion_is_one_openai_text_completion() -> None:
         "logprobs": None,
         "finish_reason": "length",
     }
-    # "hi" is two byte-level tokens in the mock dialect
+    # "hi" is two byte-level tokens in the mock frontend
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
 
 
@@ -206,7 +224,83 @@ async def test_the_rank_header_pins_the_request(tmp_path: Path) -> None:
         assert [len([m for m in e.inbox if isinstance(m, Add)]) for e in engines] == [1, 2]
 
 
+def test_a_pinned_completion_is_one_openai_text_completion(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        response = await s.client.post(
+            "/v1/completions",
+            json={"model": "zmqdp", "prompt": "hi", "max_tokens": 4},
+            headers={"X-Data-Parallel-Rank": "1"},
+        )
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["object"] == "text_completion" and answer["model"] == "zmqdp"
+        assert answer["id"] == response.headers["x-request-id"]
+        assert answer["id"].startswith("cmpl-")
+        assert response.headers["x-data-parallel-rank"] == "1"
+        assert answer["choices"] == [
+            {"text": " t0 t1 t2 t3", "index": 0, "logprobs": None, "finish_reason": "length"}
+        ]
+        assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        view = await s.engines.wait_for(1, lambda v: bool(v.adds()))  # published after it
+        assert view.adds() == [answer["id"]] and s.engines.views[0].adds() == []
+        models = await s.client.get("/v1/models")
+        assert models.json()["data"][0]["id"] == "zmqdp"
+
+    on_server(server, tmp_path, body, 2)
+
+
+def test_a_held_stream_is_sse_chunks_then_usage_then_done(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        request = hold(tokens=2, stream=True, stream_options={"include_usage": True})
+        async with s.client.stream("POST", "/v1/completions", json=request) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"] == "text/event-stream"
+            assert response.headers["cache-control"] == "no-cache"
+            stream = events(response)
+            chunks = []
+            while "".join(c["choices"][0]["text"] for c in chunks) != " t0 t1":
+                chunks.append(json.loads(await anext(stream)))  # one event or two
+            await s.finish_held()
+            rest = [d async for d in stream]
+        assert rest[-1] == "[DONE]"
+        *tail, usage = [json.loads(d) for d in rest[:-1]]
+        chunks += tail
+        assert [c["choices"][0]["text"] for c in chunks][-1] == " tdone"
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        assert {c["id"] for c in [*chunks, usage]} == {response.headers["x-request-id"]}
+        assert all(c["object"] == "text_completion" for c in chunks)
+        assert usage["choices"] == []
+        assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        assert s.stats().finished == 1
+
+    on_server(server, tmp_path, body)
+
+
 # -- client errors ------------------------------------------------------------------------
+
+
+def test_client_errors_are_4xx_and_submit_nothing(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        client = s.client
+        invalid = await client.post("/v1/completions", content=b"{not json")
+        no_prompt = await client.post("/v1/completions", json={"max_tokens": 3})
+        bad_rank = await client.post(
+            "/v1/completions", json={"prompt": "x"}, headers={"X-Data-Parallel-Rank": "7"}
+        )
+        too_big = await client.post("/v1/completions", json={"prompt": "x" * 100})
+        missing = await client.get("/v1/chat/nope")
+        wrong = await client.get("/v1/completions")
+        assert invalid.status_code == 400 and "not valid JSON" in invalid.text
+        assert no_prompt.status_code == 400 and no_prompt.json()["error"]["param"] == "prompt"
+        assert bad_rank.status_code == 400 and "rank 7" in bad_rank.json()["error"]["message"]
+        assert too_big.status_code == 413
+        assert too_big.json()["error"]["code"] == "body_too_large"
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert s.stats().submitted == 0 and s.engines.views[0].adds() == []
+
+    on_server(server, tmp_path, body, max_body_size=64)
 
 
 BAD_BODIES = [
@@ -255,7 +349,7 @@ async def test_a_bad_request_is_a_400_naming_the_field(
     assert stats(app).submitted == 0
 
 
-async def test_a_dialect_refusal_is_a_400() -> None:
+async def test_a_frontend_refusal_is_a_400() -> None:
     class Small(MockFrontend):
         max_prompt_tokens = 3
 
@@ -299,10 +393,10 @@ async def test_unknown_routes_and_methods() -> None:
     assert head.status_code == 200 and head.content == b""
 
 
-async def test_a_failing_dialect_is_a_json_500_naming_the_request() -> None:
+async def test_a_failing_frontend_is_a_json_500_naming_the_request() -> None:
     class Broken(MockFrontend):
         def prepare(self, request: CompletionRequest) -> Prepared:
-            raise TypeError("a bug in the dialect reading /secret/model.bin")
+            raise TypeError("a bug in the frontend reading /secret/model.bin")
 
     app = create_app(mock=FAST_MOCK, frontend=Broken())
     async with serving(app) as client:
@@ -317,7 +411,7 @@ async def test_a_failing_dialect_is_a_json_500_naming_the_request() -> None:
 
 
 async def test_an_unexpected_error_from_a_stream_shows_its_type_only() -> None:
-    """A dialect's `decode` that raises: the client gets a JSON 500 with the error's
+    """A frontend's `decode` that raises: the client gets a JSON 500 with the error's
     type, never its text (a path, a prompt), which the gateway logs."""
 
     def broken(_output: Any) -> Any:
@@ -345,9 +439,31 @@ async def test_a_body_past_the_limit_is_a_413() -> None:
 # -- client disconnects -------------------------------------------------------------------
 
 
-async def test_a_client_leaving_a_stream_aborts_the_request_on_its_rank(tmp_path: Path) -> None:
-    async with scripted(tmp_path, 2) as (client, app, engines):
-        async with client.stream(
+async def assert_aborted_once(s: Served, rank: int, wire: str) -> None:
+    """Rank `rank` got an ABORT for `wire`, and no second one: a request sent after it
+    reaches the rank after any second ABORT would (one queue per rank, in order)."""
+    await s.engines.wait_for(rank, lambda v: wire in v.aborted())
+    await wait_until(lambda: s.stats().aborted == 1)
+    await wait_until(lambda: s.app.counters.disconnects["completions"] == 1)
+    st = s.stats()
+    assert st.ranks[rank].inflight == 0 and st.finished == 0
+    adds = len(s.engines.views[rank].adds())
+    after = await s.client.post(
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1},
+        headers={"X-Data-Parallel-Rank": str(rank)},
+    )
+    assert after.status_code == 200, after.text
+    view = await s.engines.wait_for(rank, lambda v: len(v.adds()) == adds + 1)
+    assert view.aborted() == [wire]
+    assert s.stats().aborted == 1 and s.app.counters.disconnects["completions"] == 1
+
+
+def test_a_client_leaving_a_stream_aborts_the_request_on_its_rank_once(
+    tmp_path: Path, server: str
+) -> None:
+    async def body(s: Served) -> None:
+        async with s.client.stream(
             "POST",
             "/v1/completions",
             json={**hold(tokens=2), "stream": True},
@@ -360,123 +476,145 @@ async def test_a_client_leaving_a_stream_aborts_the_request_on_its_rank(tmp_path
                 if seen == " t0 t1":
                     break
         # the client closed the connection mid-stream
-        engine = engines[1]
-        wire = engine.wire(request_id)
-        await engine.wait_for(lambda: aborted(engine) == [wire])
-        await wait_until(lambda: stats(app).aborted == 1)
-        st = stats(app)
-        assert [r.inflight for r in st.ranks] == [0, 0] and st.finished == 0
-        assert aborted(engines[0]) == [] and aborted(engine) == [wire]  # exactly one ABORT
-        assert app.counters.disconnects["completions"] == 1
+        wire = (await s.engines.wait_for(1, lambda v: v.holds(request_id))).wire(request_id)
+        await assert_aborted_once(s, 1, wire)
+        assert s.engines.views[0].inbox == ()
+        st = s.stats()
+        assert [r.inflight for r in st.ranks] == [0, 0] and st.finished == 1  # the later one
+
+    on_server(server, tmp_path, body, 2)
 
 
-async def test_a_client_leaving_before_a_plain_answer_aborts_the_request(tmp_path: Path) -> None:
-    async with scripted(tmp_path) as (client, app, [engine]):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(client.post, "/v1/completions", json=hold()))
-            await engine.wait_for(lambda: bool(engine.held))
-            [wire] = engine.held
-            nursery.cancel_scope.cancel()  # the client gives up: httpx closes the connection
-        await engine.wait_for(lambda: aborted(engine) == [wire])
-        await wait_until(lambda: stats(app).aborted == 1)
-        assert stats(app).ranks[0].inflight == 0 and aborted(engine) == [wire]
-        await wait_until(lambda: app.counters.disconnects["completions"] == 1)
+def test_a_client_leaving_before_a_plain_answer_aborts_the_request(
+    tmp_path: Path, server: str
+) -> None:
+    async def body(s: Served) -> None:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(partial(s.client.post, "/v1/completions", json=hold()))
+            [wire] = (await s.engines.wait_for(0, lambda v: bool(v.held))).held
+            tasks.cancel_scope.cancel()  # the client gives up: httpx closes the connection
+        await assert_aborted_once(s, 0, wire)
+        assert s.stats().finished == 1  # the later one
+
+    on_server(server, tmp_path, body)
 
 
 # -- admission, deadlines, engine failures --------------------------------------------------
 
 
-async def test_no_room_is_a_429_with_retry_after(tmp_path: Path) -> None:
-    async with scripted(tmp_path, max_inflight=1, retry_after=3) as (client, app, [engine]):
-        async with trio.open_nursery() as nursery:
-            first: list[httpx.Response] = []
+def test_no_room_is_a_429_with_retry_after(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        first: list[httpx.Response] = []
 
-            async def held() -> None:
-                first.append(await client.post("/v1/completions", json=hold()))
+        async def held() -> None:
+            first.append(await s.client.post("/v1/completions", json=hold()))
 
-            nursery.start_soon(held)
-            await engine.wait_for(lambda: bool(engine.held))
-            response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(held)
+            await s.engines.wait_for(0, lambda v: bool(v.held))
+            response = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
             assert response.status_code == 429
             assert response.headers["retry-after"] == "3"
             error = response.json()["error"]
             assert (error["type"], error["code"]) == ("rate_limit_error", "overloaded")
             assert response.headers["x-request-id"] in error["message"]
             assert "requests in flight" in error["message"]
-            [wire] = engine.held
-            await engine.finish(wire.rpartition("#")[0])
-        assert first[0].status_code == 200 and first[0].json()["choices"][0]["text"] == " tdone"
-        assert stats(app).overloaded == 1
+            await s.finish_held()
+        [answer] = first
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " tdone"
+        assert s.stats().overloaded == 1 and s.engines.views[0].adds() == [answer.json()["id"]]
+
+    on_server(server, tmp_path, body, max_inflight=1, retry_after=3)
 
 
-async def test_a_queue_time_waits_for_room_then_serves(tmp_path: Path) -> None:
-    async with scripted(tmp_path, max_inflight=1, queue_timeout=15) as (client, app, [engine]):
-        async with trio.open_nursery() as nursery:
-            answers: list[httpx.Response] = []
+def test_a_queue_time_waits_for_room_then_serves(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        answers: dict[str, httpx.Response] = {}
 
-            async def post(body: dict[str, Any]) -> None:
-                answers.append(await client.post("/v1/completions", json=body))
+        async def post(name: str, request: dict[str, Any]) -> None:
+            answers[name] = await s.client.post("/v1/completions", json=request)
 
-            nursery.start_soon(post, hold())
-            await engine.wait_for(lambda: bool(engine.held))
-            nursery.start_soon(post, {"prompt": "x", "max_tokens": 2})
-            await wait_until(lambda: stats(app).waiting == 1)
-            [wire] = engine.held
-            await engine.finish(wire.rpartition("#")[0])
-        assert sorted(r.status_code for r in answers) == [200, 200]
-        assert stats(app).overloaded == 0 and stats(app).finished == 2
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(post, "first", hold())
+            await s.engines.wait_for(0, lambda v: bool(v.held))
+            tasks.start_soon(post, "second", {"prompt": "x", "max_tokens": 2})
+            await wait_until(lambda: s.stats().waiting == 1)
+            assert len(s.engines.views[0].adds()) == 1
+            await s.finish_held()
+        assert [answers[n].status_code for n in ("first", "second")] == [200, 200]
+        assert answers["second"].json()["choices"][0]["text"] == " t0 t1"
+        st = s.stats()
+        assert (st.overloaded, st.finished, st.waiting) == (0, 2, 0)
 
-
-async def test_no_room_within_the_queue_time_is_a_429(tmp_path: Path) -> None:
-    async with (
-        scripted(tmp_path, max_inflight=1, queue_timeout=0.05) as (client, app, [engine]),
-        trio.open_nursery() as nursery,
-    ):
-        nursery.start_soon(partial(client.post, "/v1/completions", json=hold()))
-        await engine.wait_for(lambda: bool(engine.held))
-        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        assert response.status_code == 429 and response.headers["retry-after"] == "1"
-        assert response.json()["error"]["code"] == "queue_timeout"
-        assert stats(app).waiting == 0 and stats(app).submitted == 1
-        nursery.cancel_scope.cancel()
+    on_server(server, tmp_path, body, max_inflight=1, queue_timeout=15)
 
 
-async def test_a_deadline_before_the_answer_is_a_504(tmp_path: Path) -> None:
-    async with scripted(tmp_path, request_timeout=0.2) as (client, app, [engine]):
-        response = await client.post("/v1/completions", json=hold())
+def test_no_room_within_the_queue_time_is_a_429(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        first: list[httpx.Response] = []
+
+        async def held() -> None:
+            first.append(await s.client.post("/v1/completions", json=hold()))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(held)
+            await s.engines.wait_for(0, lambda v: bool(v.held))
+            response = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert response.status_code == 429 and response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "queue_timeout"
+            await wait_until(lambda: s.stats().waiting == 0)  # the waiter is gone
+            assert s.stats().submitted == 1 and len(s.engines.views[0].adds()) == 1
+            await s.finish_held()
+        assert first[0].status_code == 200
+
+    on_server(server, tmp_path, body, max_inflight=1, queue_timeout=0.05)
+
+
+def test_a_deadline_before_the_answer_is_a_504(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        response = await s.client.post("/v1/completions", json=hold())
         assert response.status_code == 504
         error = response.json()["error"]
         assert (error["type"], error["code"]) == ("timeout_error", "request_timeout")
         request_id = response.headers["x-request-id"]
         assert f"rank 0, request {request_id!r}" in error["message"]
-        await engine.wait_for(lambda: aborted(engine) == [engine.wire(request_id)])
-        assert stats(app).timed_out == 1
+        view = await s.engines.wait_for(0, lambda v: bool(v.aborted()))
+        assert view.aborted() == [view.wire(request_id)]
+        assert s.stats().timed_out == 1
+
+    on_server(server, tmp_path, body, request_timeout=0.2)
 
 
-async def test_a_deadline_mid_stream_is_an_sse_error_then_the_end(tmp_path: Path) -> None:
-    async with (
-        scripted(tmp_path, request_timeout=0.3) as (client, app, _),
-        client.stream("POST", "/v1/completions", json={**hold(tokens=2), "stream": True}) as r,
-    ):
-        assert r.status_code == 200
-        data = await all_events(r)
-    assert "[DONE]" not in data
-    *tokens, last = [json.loads(d) for d in data]
-    assert "".join(t["choices"][0]["text"] for t in tokens) == " t0 t1"
-    assert last["error"]["code"] == "request_timeout" and "rank 0" in last["error"]["message"]
-    assert stats(app).timed_out == 1
+def test_a_deadline_mid_stream_is_an_sse_error_then_the_end(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        request = {**hold(tokens=2), "stream": True}
+        async with s.client.stream("POST", "/v1/completions", json=request) as response:
+            assert response.status_code == 200
+            data = await all_events(response)
+        assert "[DONE]" not in data
+        *tokens, last = [json.loads(d) for d in data]
+        assert "".join(t["choices"][0]["text"] for t in tokens) == " t0 t1"
+        assert last["error"]["code"] == "request_timeout" and "rank 0" in last["error"]["message"]
+        assert s.stats().timed_out == 1
+        view = await s.engines.wait_for(0, lambda v: bool(v.aborted()))
+        assert view.aborted() == [view.wire(response.headers["x-request-id"])]
+
+    on_server(server, tmp_path, body, request_timeout=0.3)
 
 
-async def test_a_dead_engine_is_a_502(tmp_path: Path) -> None:
-    async with scripted(tmp_path, 2) as (client, _, _):
-        response = await client.post(
+def test_a_dead_engine_is_a_502(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        response = await s.client.post(
             "/v1/completions",
             json={"prompt": "x", "script": {"die": True}},
             headers={"X-Data-Parallel-Rank": "0"},
         )
-    assert response.status_code == 502
-    error = response.json()["error"]
-    assert error["code"] == "engine_dead" and "rank 0" in error["message"]
+        assert response.status_code == 502
+        error = response.json()["error"]
+        assert error["code"] == "engine_dead" and "rank 0" in error["message"]
+        assert s.stats().failed == 1
+
+    on_server(server, tmp_path, body, 2)
 
 
 # -- probes and metrics ---------------------------------------------------------------------
@@ -537,28 +675,78 @@ async def test_metrics_parse_with_per_rank_series() -> None:
     assert families["zmqdp_group_ready"].samples[0].value == 1
 
 
+def test_probes_and_metrics_with_per_rank_series(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        client = s.client
+        health = await client.get("/health")
+        ready = await client.get("/ready")
+        assert health.status_code == 200 and health.json()["live"] is True
+        assert ready.status_code == 200
+        assert ready.json() | {"room": None} == {
+            "gateway_draining": False,
+            "live": True,
+            "ready": True,
+            "draining": False,
+            "ranks_up": 2,
+            "size": 2,
+            "inflight": 0,
+            "room": None,
+            "recovering": False,
+        }
+        for rank in (0, 1, 1):
+            response = await client.post(
+                "/v1/completions",
+                json={"prompt": "abc", "max_tokens": 2},
+                headers={"X-Data-Parallel-Rank": str(rank)},
+            )
+            assert response.status_code == 200
+        await client.post("/v1/completions", content=b"nope")
+        scraped = await client.get("/metrics")
+        assert scraped.headers["content-type"].startswith("text/plain")
+        metrics = Metrics(scraped.text)
+        samples = metrics.by_rank
+        assert samples("zmqdp_rank_up") == {"0": 1.0, "1": 1.0}
+        assert samples("zmqdp_rank_cap") == {"0": 4.0, "1": 4.0}
+        assert samples("zmqdp_rank_inflight") == {"0": 0.0, "1": 0.0}
+        for name in ("zmqdp_rank_waiting", "zmqdp_rank_running", "zmqdp_rank_kv_cache_usage_ratio"):
+            assert set(samples(name)) == {"0", "1"}
+        assert samples("zmqdp_rank_ttft_seconds", "_count") == {"0": 1.0, "1": 2.0}
+        assert samples("zmqdp_rank_latency_seconds", "_count") == {"0": 1.0, "1": 2.0}
+        assert samples("zmqdp_requests_submitted", "_total") == {"": 3.0}
+        assert samples("zmqdp_requests_finished", "_total") == {"": 3.0}
+        http = metrics.http()
+        assert http[("completions", "200")] == 3 and http[("completions", "400")] == 1
+        assert http[("health", "200")] == 1 and http[("ready", "200")] == 1
+        assert metrics.samples("zmqdp_gateway_completion_tokens", "_total")[0].value == 6
+        assert metrics.samples("zmqdp_group_ready")[0].value == 1
+
+    on_server(server, tmp_path, body, 2, max_inflight=4)
+
+
 # -- lifecycle ------------------------------------------------------------------------------
 
 
-async def test_a_drain_turns_ready_off_first_and_lets_a_live_stream_finish(
-    tmp_path: Path,
+def test_a_drain_turns_ready_off_first_and_lets_a_live_stream_finish(
+    tmp_path: Path, server: str
 ) -> None:
-    async with scripted(tmp_path) as (client, app, [engine]):
-        async with client.stream(
-            "POST", "/v1/completions", json={**hold(tokens=1), "stream": True}
-        ) as response:
+    async def body(s: Served) -> None:
+        client, app = s.client, s.app
+        group = app.group
+        assert group is not None
+        request = {**hold(tokens=1), "stream": True}
+        async with client.stream("POST", "/v1/completions", json=request) as response:
             stream = events(response)
             assert json.loads(await anext(stream))["choices"][0]["text"] == " t0"
             app.begin_drain()
             ready = await client.get("/ready")
             assert ready.status_code == 503 and ready.json()["gateway_draining"] is True
             assert (await client.get("/health")).status_code == 200  # still live
-            assert app.group is not None
-            await wait_until(lambda: app.group is not None and app.group.health().draining)
+            await wait_until(lambda: group.health().draining)
             refused = await client.post("/v1/completions", json={"prompt": "x"})
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["code"] == "draining"
-            await engine.finish(response.headers["x-request-id"])
+            assert group.closed is None  # the live stream holds the drain
+            await s.finish_held()
             rest = [d async for d in stream]
         assert json.loads(rest[0])["choices"][0] == {
             "text": " tdone",
@@ -568,36 +756,48 @@ async def test_a_drain_turns_ready_off_first_and_lets_a_live_stream_finish(
         }
         assert rest[-1] == "[DONE]"
         await app.wait_drained()
-        assert stats(app).finished == 1 and stats(app).aborted == 0
+        assert group.closed is not None  # drained, then closed
+        assert s.stats().finished == 1 and s.stats().aborted == 0
+        assert s.engines.views[0].aborted() == []
         health = await client.get("/health")
         assert health.status_code == 503 and health.json()["live"] is False
         late = await client.post("/v1/completions", json={"prompt": "x"})
         assert late.status_code == 503
 
+    on_server(server, tmp_path, body)
 
-async def test_a_drain_grace_keeps_serving_while_ready_is_off(tmp_path: Path) -> None:
-    async with scripted(tmp_path, drain_grace=30) as (client, app, _):
-        app.begin_drain()
-        assert (await client.get("/ready")).status_code == 503
-        served = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+
+def test_a_drain_grace_keeps_serving_while_ready_is_off(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        s.app.begin_drain()
+        assert (await s.client.get("/ready")).status_code == 503
+        served = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert served.status_code == 200  # the load balancer has not noticed yet
-        assert app.group is not None and not app.group.health().draining
+        assert s.app.group is not None and not s.app.group.health().draining
+        # leaving: the server's shutdown cuts the 30 s grace short (the time limit is 20 s)
+
+    on_server(server, tmp_path, body, drain_grace=30)
 
 
-async def test_an_app_serves_a_group_it_was_given_and_leaves_it_open(tmp_path: Path) -> None:
-    url = f"ipc://{tmp_path}/g"
-    async with trio.open_nursery() as nursery:
-        engine = TokenEngine(url, 0, 1)
-        nursery.start_soon(engine.run)
-        async with EngineGroup.connect(url, 1, ready_timeout=READY_TIMEOUT) as group:
-            app = create_app(group=group, frontend=ScriptFrontend())
-            async with serving(app) as client:
-                response = await client.post(
-                    "/v1/completions", json={"prompt": "x", "max_tokens": 2}
-                )
-                assert response.json()["choices"][0]["text"] == " t0 t1"
-            assert group.closed is None and group.health().ready
-        nursery.cancel_scope.cancel()
+def test_an_app_serves_a_group_it_was_given_and_leaves_it_open(tmp_path: Path, server: str) -> None:
+    """The group's flavour is the server's: `EngineGroup` on hypercorn's trio worker,
+    `AsyncioEngineGroup` on uvicorn."""
+    flavour: Any = EngineGroup if server == "hypercorn" else AsyncioEngineGroup
+    with EngineThread(url_in(tmp_path), 1, engine=TokenEngine) as engines:
+
+        async def main() -> None:
+            engines.attach()
+            async with flavour.connect(engines.url, 1, ready_timeout=READY_TIMEOUT) as group:
+                app = create_app(group=group, frontend=ScriptFrontend())
+                async with serving_on(server, app) as client:
+                    response = await client.post(
+                        "/v1/completions", json={"prompt": "x", "max_tokens": 2}
+                    )
+                    assert response.json()["choices"][0]["text"] == " t0 t1"
+                assert group.closed is None and group.health().ready  # after the shutdown
+                assert group.statistics().finished == 1
+
+        run_on(server, main)
 
 
 async def test_a_group_that_does_not_form_fails_the_startup(tmp_path: Path) -> None:
@@ -687,7 +887,7 @@ async def test_a_startup_failure_is_one_line_naming_the_cause(tmp_path: Path, se
 
 
 class _VllmTokenFrontend:
-    """A gateway dialect for a vLLM group (test stand-in for issue 22's real one): a
+    """A gateway frontend for a vLLM group (test stand-in for issue 22's real one): a
     token-id prompt becomes a `VllmRequest`, each output's token ids become text."""
 
     def prepare(self, request: Any) -> Any:
@@ -708,7 +908,7 @@ class _VllmTokenFrontend:
 
 async def test_the_gateway_serves_a_group_on_vllms_wire() -> None:
     """The gateway takes any group: an `EngineGroup[VllmRequest]` (fake vLLM engines)
-    behind the same app, its dialect building vLLM's requests."""
+    behind the same app, its frontend building vLLM's requests."""
     from tests.test_vllm_group import vllm_group
 
     async with vllm_group(2) as (group, fake):

@@ -25,23 +25,19 @@ import pytest
 import trio
 
 from tests.fakes.engines import ScriptedEngine
-from tests.fakes.threaded import RUNNERS, EngineThread, Run, loop_runner
 from tools.aiperf_smoke import model_dir
 from zmqdp._core.messages import Output
 from zmqdp.engine import Add
 from zmqdp.gateway import VllmFrontend, completions, create_app
 
-from .gateway_helpers import Metrics, ScriptFrontend
+from .gateway_helpers import SERVERS, Metrics, ScriptFrontend, Served, on_server
 from .test_gateway import READY_TIMEOUT, serving
-from .test_gateway_asyncio import on_uvicorn
 from .test_vllm_group import vllm_group
 
 pytest.importorskip("tokenizers", reason="the vllm extra (tokenizers)")
 
 MODEL = Path(__file__).parent / "data" / "tiny-model"
 CONTEXT = 131072
-
-run = pytest.fixture(params=sorted(RUNNERS), name="run")(loop_runner)
 
 
 def long_context_model(tmp: Path) -> Path:
@@ -175,15 +171,17 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     assert f"has {what}: more than this model's maximum context length" in error["message"]
 
 
+@pytest.mark.parametrize("server", [s for s in SERVERS if s.startswith("uvicorn")])
 def test_the_loop_answers_while_a_large_body_is_parsed_on_uvicorn(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: Run
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: str
 ) -> None:
     """Finding 4 on asyncio: the parse of a large body runs in the worker thread of
     the heavy lane there too."""
     started, release, parsed = hold_parse(monkeypatch, "parse_completion")
     data = json.dumps({"prompt": [1] * 100_000, "max_tokens": 1}).encode()
 
-    async def body(client: httpx.AsyncClient, _: Any, engines: EngineThread) -> None:
+    async def body(s: Served) -> None:
+        client = s.client
         async with asyncio.timeout(15):
             attacker = asyncio.create_task(client.post("/v1/completions", content=data))
             await asyncio.to_thread(started.wait)
@@ -193,7 +191,7 @@ def test_the_loop_answers_while_a_large_body_is_parsed_on_uvicorn(
             answer = await attacker
             assert answer.status_code == 200, answer.text
 
-    on_uvicorn(run, tmp_path, body)
+    on_server(server, tmp_path, body)
 
 
 class FinishEngine(ScriptedEngine):

@@ -1,19 +1,22 @@
-"""The HTTP gateway against hostile or careless clients (issue 24), over real HTTP on
-hypercorn's trio worker; tests/test_gateway_hostile_asyncio.py checks the same on
-uvicorn. Each test names the finding it guards:
+"""The HTTP gateway against hostile or careless clients (issue 24), over real HTTP. What
+involves the server runs on every server (the `server` fixture: hypercorn's trio
+worker, uvicorn on asyncio and on uvloop; tests/gateway_helpers.py `on_server`); what
+the app alone decides runs on hypercorn; what only uvicorn does is in
+tests/test_gateway_hostile_asyncio.py. Each test names the finding it guards:
 
 * 5: a non-streaming answer is held whole, so it is bounded (`max_collected_tokens`,
   `max_collected_chars`): a larger `max_tokens` is refused up front, an answer that
   grows past the limits anyway is aborted on its rank;
 * 6: `model` is echoed in every chunk, so its length is bounded;
-* 7: hypercorn closes a `Connection: close` connection after a completion, and times
-  out an idle keep-alive one (the disconnect watcher no longer cancels the response
-  inside hypercorn's last `send()`);
+* 7: the server closes a `Connection: close` connection after a completion, and
+  hypercorn times out an idle keep-alive one (the disconnect watcher no longer cancels
+  the response inside hypercorn's last `send()`);
 * 8: a rank header or a JSON number too long for `int()` is a 400, never a bare 500;
 * 9: a second SIGTERM answers live requests with a JSON 503 (an SSE error event for a
   begun stream), with no traceback in the log, on both servers.
 
-Every test has its own `trio.fail_after`; nothing waits on the clock to synchronize.
+Every test has its own time limit (`trio.fail_after`, `anyio.fail_after`); nothing
+waits on the clock to synchronize.
 """
 
 from __future__ import annotations
@@ -26,24 +29,35 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import trio
+from anyio.abc import ByteStream, TaskStatus
 
+from tests.fakes.threaded import wait_until
 from zmqdp.engine import Add
 from zmqdp.gateway import create_app
 from zmqdp.gateway.app import DEFAULT_MAX_COLLECTED_TOKENS
 
 from .gateway_helpers import (
-    aborted,
+    SERVERS,
+    Served,
     all_events,
     events,
     hold,
+    on_server,
     read_banner,
     serve_command,
     served_url,
+    server_param,
 )
-from .test_gateway import FAST_MOCK, scripted, serving, stats
+from .test_gateway import FAST_MOCK, serving, stats
+
+server = pytest.fixture(params=SERVERS, name="server")(server_param)
+
+STEP = 5.0
+"""Seconds: the time limit of each test's I/O (its body, on the servers' suite)."""
 
 # -- raw HTTP/1.1 -------------------------------------------------------------------------
 
@@ -61,17 +75,25 @@ def _post(body: dict[str, Any], *headers: bytes) -> bytes:
     return b"\r\n".join(head) + b"\r\n\r\n" + data
 
 
-async def _read_until_eof(sock: trio.SocketStream) -> bytes:
+async def _receive(sock: ByteStream) -> bytes:
+    """What comes next on `sock`; b"" at its end (on any loop: anyio)."""
+    try:
+        return await sock.receive()
+    except anyio.EndOfStream:
+        return b""
+
+
+async def _read_until_eof(sock: ByteStream) -> bytes:
     data = b""
-    while chunk := await sock.receive_some():
+    while chunk := await _receive(sock):
         data += chunk
     return data
 
 
-async def _read_response(sock: trio.SocketStream, buffer: bytes = b"") -> tuple[bytes, bytes]:
+async def _read_response(sock: ByteStream, buffer: bytes = b"") -> tuple[bytes, bytes]:
     """One response with a content-length: (head, body), and nothing read past it."""
     while b"\r\n\r\n" not in buffer:
-        chunk = await sock.receive_some()
+        chunk = await _receive(sock)
         assert chunk, buffer
         buffer += chunk
     head, _, body = buffer.partition(b"\r\n\r\n")
@@ -81,7 +103,7 @@ async def _read_response(sock: trio.SocketStream, buffer: bytes = b"") -> tuple[
         if line.lower().startswith(b"content-length:")
     )
     while len(body) < length:
-        chunk = await sock.receive_some()
+        chunk = await _receive(sock)
         assert chunk, body
         body += chunk
     assert len(body) == length
@@ -117,24 +139,33 @@ async def test_a_plain_request_past_the_collect_limit_is_a_400_naming_max_tokens
     [({"max_collected_tokens": 5}, "5 tokens"), ({"max_collected_chars": 10}, "10 characters")],
     ids=["tokens", "chars"],
 )
-async def test_a_plain_answer_past_the_collect_limit_is_aborted_with_a_502(
-    tmp_path: Path, limit: dict[str, int], reached: str
+def test_a_plain_answer_past_the_collect_limit_is_aborted_with_a_502(
+    tmp_path: Path, server: str, limit: dict[str, int], reached: str
 ) -> None:
     """The engine sends 8 outputs (" t0" ... " t7") whatever `max_tokens` says: more
     than asked for, or more text than the gateway holds. It is aborted on its rank.
     (`max_tokens` 5 is at the token limit: taken.)"""
-    with trio.fail_after(5):
-        async with scripted(tmp_path, **limit) as (client, app, [engine]):
+
+    async def body(s: Served) -> None:
+        with anyio.fail_after(STEP):
+            if "max_collected_tokens" in limit:  # past the limit: refused up front
+                past = await s.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 6})
+                assert past.status_code == 400 and past.json()["error"]["param"] == "max_tokens"
+                assert "at most 5" in past.json()["error"]["message"]
             request = {**hold(tokens=8), "max_tokens": 5}
-            response = await client.post("/v1/completions", json=request)
+            response = await s.client.post("/v1/completions", json=request)
             assert response.status_code == 502, response.text
             error = response.json()["error"]
             request_id = response.headers["x-request-id"]
             assert (error["type"], error["code"]) == ("engine_error", "response_too_large")
             assert f"rank 0, request {request_id!r}" in error["message"]
             assert f"past the {reached}" in error["message"]
-            await engine.wait_for(lambda: aborted(engine) == [engine.wire(request_id)])
-            assert stats(app).aborted == 1 and stats(app).ranks[0].inflight == 0
+            view = await s.engines.wait_for(0, lambda v: bool(v.aborted()))
+            assert view.aborted() == [view.wire(request_id)]
+            await wait_until(lambda: s.stats().aborted == 1)
+            assert s.stats().ranks[0].inflight == 0 and s.stats().submitted == 1
+
+    on_server(server, tmp_path, body, **limit)
 
 
 def test_create_app_refuses_a_collect_limit_below_1() -> None:
@@ -170,17 +201,23 @@ async def test_a_model_name_past_256_characters_is_a_400_naming_model() -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-async def test_connection_close_closes_the_connection_after_a_completion(stream: bool) -> None:
-    with trio.fail_after(5):
-        async with serving(create_app(mock=FAST_MOCK)) as client:
-            sock = await trio.open_tcp_stream(*_address(client))
-            async with sock:
-                body = {"prompt": "hi", "max_tokens": 3, "stream": stream}
-                await sock.send_all(_post(body, b"connection: close"))
+def test_connection_close_closes_the_connection_after_a_completion(
+    tmp_path: Path, server: str, stream: bool
+) -> None:
+    async def body(s: Served) -> None:
+        with anyio.fail_after(STEP):
+            async with await anyio.connect_tcp(*_address(s.client)) as sock:
+                request = {"prompt": "hi", "max_tokens": 2, "stream": stream}
+                await sock.send(_post(request, b"connection: close"))
                 data = await _read_until_eof(sock)  # hangs if the server keeps it open
-    head, _, rest = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200 ")
-    assert (b"[DONE]" in rest) if stream else rest.endswith(b"}")
+        head, _, rest = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        if stream:
+            assert b" t0" in rest and b" t1" in rest and b"[DONE]" in rest
+        else:
+            assert json.loads(rest)["choices"][0]["text"] == " t0 t1"
+
+    on_server(server, tmp_path, body)
 
 
 async def test_an_idle_keep_alive_connection_times_out_after_completions() -> None:
@@ -188,10 +225,10 @@ async def test_an_idle_keep_alive_connection_times_out_after_completions() -> No
     and hypercorn closes it after its `keep_alive_timeout`."""
     with trio.fail_after(5):
         async with serving(create_app(mock=FAST_MOCK), keep_alive_timeout=0.2) as client:
-            sock = await trio.open_tcp_stream(*_address(client))
+            sock = await anyio.connect_tcp(*_address(client))
             async with sock:
                 for _ in range(2):
-                    await sock.send_all(_post({"prompt": "hi", "max_tokens": 2}))
+                    await sock.send(_post({"prompt": "hi", "max_tokens": 2}))
                     head, body = await _read_response(sock)
                     assert head.startswith(b"HTTP/1.1 200 ")
                     assert json.loads(body)["usage"]["completion_tokens"] == 2
@@ -202,10 +239,12 @@ async def test_an_idle_keep_alive_connection_times_out_after_completions() -> No
 
 
 @pytest.mark.parametrize("value", ["1" * 4400, "1" * 10], ids=["4400-digits", "10-digits"])
-async def test_a_huge_rank_header_is_a_400_naming_the_header(tmp_path: Path, value: str) -> None:
-    with trio.fail_after(5):
-        async with scripted(tmp_path, 2) as (client, app, _):
-            response = await client.post(
+def test_a_huge_rank_header_is_a_400_naming_the_header(
+    tmp_path: Path, server: str, value: str
+) -> None:
+    async def body(s: Served) -> None:
+        with anyio.fail_after(STEP):
+            response = await s.client.post(
                 "/v1/completions",
                 json={"prompt": "x", "max_tokens": 1},
                 headers={"X-Data-Parallel-Rank": value},
@@ -218,7 +257,9 @@ async def test_a_huge_rank_header_is_a_400_naming_the_header(tmp_path: Path, val
                 and "at most 9 digits" in error["message"]
             )
             assert len(error["message"]) < 300
-            assert stats(app).submitted == 0
+            assert s.stats().submitted == 0 and s.engines.views[0].adds() == []
+
+    on_server(server, tmp_path, body, 2)
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "seed"])
@@ -251,9 +292,10 @@ async def test_an_error_quotes_a_bad_value_briefly() -> None:
 # -- stop_now (9, in process) --------------------------------------------------------------------
 
 
-async def test_stop_now_answers_live_requests_503_and_aborts_them(tmp_path: Path) -> None:
-    with trio.fail_after(5):
-        async with scripted(tmp_path, 2) as (client, app, engines):
+def test_stop_now_answers_live_requests_503_and_aborts_them(tmp_path: Path, server: str) -> None:
+    async def body(s: Served) -> None:
+        client, app = s.client, s.app
+        with anyio.fail_after(STEP):
             answers: list[httpx.Response] = []
             last_events: list[str] = []
 
@@ -264,7 +306,9 @@ async def test_stop_now_answers_live_requests_503_and_aborts_them(tmp_path: Path
                     )
                 )
 
-            async def streamed(task_status: trio.TaskStatus[None]) -> None:
+            async def streamed(
+                *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+            ) -> None:
                 request = {**hold(tokens=1), "stream": True}
                 headers = {"X-Data-Parallel-Rank": "1"}
                 async with client.stream(
@@ -275,10 +319,10 @@ async def test_stop_now_answers_live_requests_503_and_aborts_them(tmp_path: Path
                     task_status.started()
                     last_events.extend([d async for d in stream])
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(plain)
-                await nursery.start(streamed)
-                await engines[0].wait_for(lambda: bool(engines[0].held))
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(plain)
+                await tasks.start(streamed)
+                await s.engines.wait_for(0, lambda v: bool(v.held))
                 app.stop_now()
             [answer] = answers
             assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
@@ -287,13 +331,15 @@ async def test_stop_now_answers_live_requests_503_and_aborts_them(tmp_path: Path
             assert answer.headers["x-request-id"] in error["message"]
             [last] = last_events  # no [DONE]
             assert json.loads(last)["error"]["code"] == "shutting_down"
-            for engine in engines:
-                [wire] = [m.id for m in engine.inbox if isinstance(m, Add)]
-                await engine.wait_for(lambda e=engine, w=wire: aborted(e) == [w])
+            for rank in (0, 1):
+                view = await s.engines.wait_for(rank, lambda v: bool(v.aborted()))
+                assert view.aborted() == [m.id for m in view.inbox if isinstance(m, Add)]
             late = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
             assert late.status_code == 503
             await app.wait_drained()
-            assert stats(app).aborted == 2
+            assert s.stats().aborted == 2
+
+    on_server(server, tmp_path, body, 2)
 
 
 # -- 9: the second SIGTERM of `serve` --------------------------------------------------------

@@ -1,5 +1,6 @@
 """Engines in a thread of their own, for tests whose event loop is asyncio or uvloop
-(tests/test_aio.py, tests/test_gateway_asyncio.py).
+(tests/test_aio.py, tests/test_gateway_servers.py), or a trio run that must see the
+engines the way those do (the gateway suites written once for hypercorn and uvicorn).
 
 The engines are trio code: they run in a trio run of their own, in another thread
 (`EngineThread`), so the loop under test never runs them and a blocked loop does not
@@ -27,7 +28,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import pytest
+import sniffio
 import trio
 import uvloop
 
@@ -74,10 +79,11 @@ def url_in(tmp_path: Path) -> str:
 
 
 async def wait_until(predicate: Callable[[], bool]) -> None:
-    """Check `predicate()` at every turn of the loop until it holds (no clock): for
-    state the trio side changes in its own steps without telling asyncio."""
-    while not predicate():  # noqa: ASYNC110 (a turn of the loop, not a clock wait)
-        await asyncio.sleep(0)
+    """Check `predicate()` at every turn of the loop (asyncio's, or a trio run's) until it
+    holds (no clock): for state the trio side changes in its own steps without telling
+    asyncio."""
+    while not predicate():
+        await anyio.lowlevel.checkpoint()
 
 
 # -- engines in a thread of their own ---------------------------------------------------
@@ -159,8 +165,8 @@ class EngineThread:
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._changed: asyncio.Event | None = None
+        self._notify: Callable[[], None] | None = None
+        self._changed: asyncio.Event | trio.Event | None = None
 
     def __enter__(self) -> EngineThread:
         self._thread.start()
@@ -213,22 +219,31 @@ class EngineThread:
         self.views[engine.rank] = View(
             tuple(engine.inbox), tuple(engine.times), frozenset(engine.held)
         )
-        loop = self._loop
-        if loop is not None:
+        notify = self._notify
+        if notify is not None:
             with contextlib.suppress(RuntimeError):  # that loop is closed: the test is over
-                loop.call_soon_threadsafe(self._wake)
+                notify()
 
     # -- the test loop's side -----------------------------------------------------------
 
     def attach(self) -> None:
-        """Let this loop's tasks wait for the engines (call in the test's loop)."""
-        self._changed = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
+        """Let this loop's tasks wait for the engines (call in the test's loop: asyncio,
+        uvloop or another trio run)."""
+        if sniffio.current_async_library() == "trio":
+            self._changed = trio.Event()
+            token = trio.lowlevel.current_trio_token()
+            self._notify = functools.partial(token.run_sync_soon, self._wake)
+        else:
+            self._changed = asyncio.Event()
+            self._notify = functools.partial(
+                asyncio.get_running_loop().call_soon_threadsafe, self._wake
+            )
 
     def _wake(self) -> None:
-        assert self._changed is not None
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed = self._changed
+        assert changed is not None
+        self._changed = trio.Event() if isinstance(changed, trio.Event) else asyncio.Event()
+        changed.set()
 
     async def wait_for(self, rank: int, predicate: Callable[[View], bool]) -> View:
         """The first snapshot of `rank` for which `predicate` holds."""
@@ -242,7 +257,8 @@ class EngineThread:
 
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """`await fn(*args)` in the engines' trio run (from a worker thread)."""
-        return await asyncio.to_thread(trio.from_thread.run, fn, *args, trio_token=self._token)
+        call = functools.partial(trio.from_thread.run, fn, *args, trio_token=self._token)
+        return await anyio.to_thread.run_sync(call)
 
     async def emit(self, rank: int, *outputs: Output) -> None:
         await self.run(self.engines[rank].emit, outputs)
@@ -252,6 +268,7 @@ class EngineThread:
 
     async def kill(self, rank: int) -> None:
         """Stop engine `rank` (its sockets close; it sends nothing more)."""
-        await asyncio.to_thread(
+        call = functools.partial(
             trio.from_thread.run_sync, self._scopes[rank].cancel, trio_token=self._token
         )
+        await anyio.to_thread.run_sync(call)
