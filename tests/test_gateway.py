@@ -12,8 +12,8 @@ Each behaviour that involves the server is written once and runs on every server
 on uvloop with an `AsyncioEngineGroup`; tests/gateway_helpers.py `on_server`), against
 engines in a thread of their own. What the app alone decides (request parsing, the
 frontend's errors, the mock's answers) runs on hypercorn only, against the embedded mock
-or engines in the test's own trio run; what only one server has (its startup failure,
-`serve --server uvicorn`) is in tests/test_gateway_asyncio.py for uvicorn.
+or engines in the test's own trio run; what only uvicorn does is marked so
+(tests/test_gateway_hostile.py).
 
 Nothing waits on the clock to synchronize: engines are driven by hand and waited on
 (`wait_for`, `wait_until`). Every test runs under a time limit: conftest.py's
@@ -64,6 +64,7 @@ from .gateway_helpers import (
     serve_command,
     served_url,
     server_param,
+    uvicorn_server,
 )
 from .gateway_helpers import serving as serving_on
 from .helpers import READY_TIMEOUT
@@ -800,15 +801,30 @@ def test_an_app_serves_a_group_it_was_given_and_leaves_it_open(tmp_path: Path, s
         run_on(server, main)
 
 
-async def test_a_group_that_does_not_form_fails_the_startup(tmp_path: Path) -> None:
-    app = create_app(f"ipc://{tmp_path}/g", 1, ready_timeout=0.2)
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    with pytest.RaisesGroup(
-        pytest.RaisesExc(LifespanFailureError, match="HandshakeTimeout.*not ready"),
-        flatten_subgroups=True,
-    ):
-        await serve(app, config)  # type: ignore[arg-type]
+def test_a_group_that_does_not_form_fails_the_startup(tmp_path: Path, server: str) -> None:
+    """Each server fails its startup its own way (hypercorn: `LifespanFailureError`;
+    uvicorn: exit code 3, STARTUP_FAILURE), having closed the group's sockets and, on
+    uvicorn, ended the guest trio run."""
+    app = create_app(url_in(tmp_path), 1, ready_timeout=0.2)
+
+    async def on_hypercorn() -> None:
+        config = Config()
+        config.bind = ["127.0.0.1:0"]
+        with pytest.RaisesGroup(
+            pytest.RaisesExc(LifespanFailureError, match="HandshakeTimeout.*not ready"),
+            flatten_subgroups=True,
+        ):
+            await serve(app, config)  # type: ignore[arg-type]
+
+    async def on_uvicorn() -> None:
+        userver = uvicorn_server(app)
+        with pytest.raises(SystemExit) as info:
+            await userver.serve()
+        assert info.value.code == 3  # uvicorn's STARTUP_FAILURE
+        assert not userver.started and not trio.lowlevel.in_trio_run()  # the guest run ended
+
+    run_on(server, on_hypercorn if server == "hypercorn" else on_uvicorn)
+    assert not list(tmp_path.iterdir())  # the sockets are closed
 
 
 def test_create_app_refuses_contradictory_arguments() -> None:
@@ -824,14 +840,18 @@ def test_create_app_refuses_contradictory_arguments() -> None:
 
 
 @pytest.mark.timeout_s(40)
-async def test_serve_drains_on_sigterm_then_exits_0() -> None:
-    """`python -m zmqdp serve --mock`: the banner names the URL; SIGTERM turns /ready to
-    503 while a live stream goes on to [DONE]; then the process exits 0."""
+@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+async def test_serve_drains_on_sigterm_then_exits_0(server: str) -> None:
+    """`python -m zmqdp serve --mock --server <server>`: the banner names the URL and the
+    server; SIGTERM turns /ready to 503 while a live stream goes on to [DONE]; then the
+    process exits 0. (uvicorn's loop is its own choice: uvloop when installed.)"""
     proc = await trio.lowlevel.open_process(
-        serve_command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        serve_command("--server", server), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
         out = await read_banner(proc)
+        flavour = b"(hypercorn, trio)" if server == "hypercorn" else b"(uvicorn, asyncio)"
+        assert flavour in out, out
         await check_sigterm_drain(served_url(out), lambda: proc.send_signal(signal.SIGTERM))
         assert await proc.wait() == 0
     finally:

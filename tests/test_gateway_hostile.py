@@ -1,8 +1,8 @@
 """The HTTP gateway against hostile or careless clients (issue 24), over real HTTP. What
 involves the server runs on every server (the `server` fixture: hypercorn's trio
 worker, uvicorn on asyncio and on uvloop; tests/gateway_helpers.py `on_server`); what
-the app alone decides runs on hypercorn; what only uvicorn does is in
-tests/test_gateway_hostile_asyncio.py. Each test names the finding it guards:
+the app alone decides runs on hypercorn; what only uvicorn does runs on uvicorn
+only (`UVICORN`). Each test names the finding it guards:
 
 * 5: a non-streaming answer is held whole, so it is bounded (`max_collected_tokens`,
   `max_collected_chars`): a larger `max_tokens` is refused up front, an answer that
@@ -13,7 +13,8 @@ tests/test_gateway_hostile_asyncio.py. Each test names the finding it guards:
   the response inside hypercorn's last `send()`);
 * 8: a rank header or a JSON number too long for `int()` is a 400, never a bare 500;
 * 9: a second SIGTERM answers live requests with a JSON 503 (an SSE error event for a
-  begun stream), with no traceback in the log, on both servers.
+  begun stream), with no traceback in the log, on both servers; so do `stop_now()` and,
+  on uvicorn, the cancellation of a request's task past `timeout_graceful_shutdown`.
 
 Every test has its own time limit (`trio.fail_after`, `anyio.fail_after`); nothing
 waits on the clock to synchronize.
@@ -21,8 +22,10 @@ waits on the clock to synchronize.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -33,25 +36,31 @@ import anyio
 import httpx
 import pytest
 import trio
+import uvicorn
 from anyio.abc import ByteStream, TaskStatus
 
-from tests.fakes.threaded import wait_until
+from tests.fakes.threaded import EngineThread, url_in, wait_until
 from zmqdp.engine import Add
 from zmqdp.gateway import create_app
 from zmqdp.gateway.app import DEFAULT_MAX_COLLECTED_TOKENS
 
 from .gateway_helpers import (
     SERVERS,
+    ScriptFrontend,
     Served,
+    TokenEngine,
+    UvicornServer,
     all_events,
     events,
     hold,
     on_server,
     read_banner,
+    run_on,
     serve_command,
     served_url,
     server_param,
 )
+from .helpers import READY_TIMEOUT
 from .test_gateway import FAST_MOCK, serving, stats
 
 server = pytest.fixture(params=SERVERS, name="server")(server_param)
@@ -340,6 +349,60 @@ def test_stop_now_answers_live_requests_503_and_aborts_them(tmp_path: Path, serv
             assert s.stats().aborted == 2
 
     on_server(server, tmp_path, body, 2)
+
+
+# -- 9, on uvicorn only: the cancellation of a request's task -----------------------------
+
+UVICORN = [s for s in SERVERS if s.startswith("uvicorn")]
+"""hypercorn does not cancel a live request's task at shutdown: uvicorn only."""
+
+
+@pytest.mark.parametrize("server", UVICORN)
+def test_a_request_cancelled_by_uvicorn_is_answered_503_without_a_traceback(
+    tmp_path: Path, server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """uvicorn cancels the tasks of requests still live `timeout_graceful_shutdown`
+    after its shutdown began (and `asyncio.run` cancels any left at its end). The app
+    answers a JSON 503 and ends the task quietly: a `CancelledError` reaching uvicorn
+    is logged as "Exception in ASGI application" with a traceback, and answered with a
+    bare text 500."""
+    with EngineThread(url_in(tmp_path), 1, engine=TokenEngine) as engines:
+
+        async def main() -> None:
+            engines.attach()
+            app = create_app(engines.url, 1, frontend=ScriptFrontend(), ready_timeout=READY_TIMEOUT)
+            config = uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=0,
+                lifespan="on",
+                loop="none",
+                log_config=None,  # uvicorn's records reach caplog
+                timeout_graceful_shutdown=0,
+            )
+            server = UvicornServer(config)
+            serving = asyncio.create_task(server.serve())
+            async with asyncio.timeout(STEP):
+                await server.listening.wait()
+                host, port = server.servers[0].sockets[0].getsockname()[:2]
+                async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+                    post = asyncio.create_task(client.post("/v1/completions", json=hold()))
+                    [wire] = (await engines.wait_for(0, lambda v: bool(v.held))).held
+                    server.should_exit = True  # the held request outlives the grace
+                    response = await post
+                await serving
+                await engines.wait_for(0, lambda v: bool(v.aborted()))
+            assert response.status_code == 503, response.text
+            assert response.headers["content-type"] == "application/json"
+            assert response.json()["error"]["code"] == "shutting_down"
+            assert engines.views[0].aborted() == [wire]
+            assert app.group is not None and app.group.statistics().aborted == 1
+
+        with caplog.at_level(logging.INFO):
+            run_on(server, main)
+    assert "Cancel 1 running task(s)" in caplog.text  # uvicorn did cancel it
+    assert "Exception in ASGI application" not in caplog.text
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
 
 
 # -- 9: the second SIGTERM of `serve` --------------------------------------------------------

@@ -1,6 +1,6 @@
 """Engines in a thread of their own, for tests whose event loop is asyncio or uvloop
-(tests/test_aio.py, tests/test_gateway_servers.py), or a trio run that must see the
-engines the way those do (the gateway suites written once for hypercorn and uvicorn).
+(tests/test_aio.py), or any loop that must see the engines the same way whatever it is
+(the gateway suites, written once for hypercorn's trio and uvicorn's asyncio).
 
 The engines are trio code: they run in a trio run of their own, in another thread
 (`EngineThread`), so the loop under test never runs them and a blocked loop does not
