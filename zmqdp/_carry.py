@@ -70,7 +70,7 @@ class Carrier:
                 for stream in firsts:
                     if stream.first_output_at is None:
                         stream.first_output_at = now
-                        core.observe_first_output(stream.rank, now - stream.submitted_at)
+                        core.ttft[stream.rank].observe(now - stream.submitted_at)
                 firsts.clear()
             if full:
                 limit = self._max_buffered or 0
@@ -84,7 +84,7 @@ class Carrier:
                 stream = ended.handle
                 stream.finish(ended.outcome, error)
                 if ended.outcome is Outcome.FINISHED:
-                    core.observe_finished(stream.rank, now - stream.submitted_at)
+                    core.latency[stream.rank].observe(now - stream.submitted_at)
         transport = self._transport
         for rank, frames in fx.sends:
             transport.send(rank, frames)

@@ -1,5 +1,7 @@
 """GroupCore's watchdogs, error scopes and submit checks, with time passed in (no event
-loop). Engines' batches are written as CBOR maps, as a peer would send them."""
+loop). Engines' batches are written as CBOR maps, as a peer would send them; each test
+tells the core facts and reads what they decided from `take_effects()`, as the
+dispatcher does."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import pytest
 
 from tests.models.long_batches import check_long_batches
 from zmqdp._core.codec import decode_request
+from zmqdp._core.effects import Effects
 from zmqdp._core.errors import GroupClosed, GroupRecovering, InvalidRequest
 from zmqdp._core.handshake import RankUp, rank_identity
+from zmqdp._core.messages import Wake
 from zmqdp._core.requests import Outcome
 from zmqdp._core.state import GroupCore
 from zmqdp._core.wire import NativeWire
@@ -26,13 +30,51 @@ def core(lockstep: bool = False, **kw: Any) -> GroupCore[object]:
         2, lockstep=lockstep, silence_timeout=30, stall_timeout=5, **kw
     )
     for r in range(2):
-        c.rank_up(r, now=0.0, epoch=EPOCH[r])
+        c.on_rank_up(RankUp(r, EPOCH[r]), 0.0)
+    c.take_effects()
     return c
 
 
-def send(c: GroupCore[object], rank: int, now: float, **batch: Any) -> Any:
+def out(c: GroupCore[object], frames: list[bytes], now: float) -> Effects[object]:
+    """One output-socket message, and what it decided."""
+    c.on_output(frames, now)
+    return c.take_effects()
+
+
+def send(c: GroupCore[object], rank: int, now: float, **batch: Any) -> Effects[object]:
     body = cbor2.dumps({"rank": rank, "epoch": EPOCH[rank], **batch})
-    return c.on_message([rank_identity(rank), body], now)[1]
+    return out(c, [rank_identity(rank), body], now)
+
+
+def drain(c: GroupCore[object], now: float) -> Effects[object]:
+    """The dispatcher's checkpoints: every long batch in hand to its end."""
+    while c.has_work():
+        c.advance(c.in_hand(), now)
+    return c.take_effects()
+
+
+def deadline(c: GroupCore[object], now: float) -> Effects[object]:
+    c.on_deadline(now)
+    return c.take_effects()
+
+
+def death(fx: Effects[object], rank: int) -> str | None:
+    """The cause `rank` was declared dead of, if these effects declared it."""
+    prefix = f"rank {rank}: dead: "
+    causes = [m[len(prefix) :] for _, _, m in fx.logs if m.startswith(prefix)]
+    assert len(causes) <= 1, causes
+    if causes:
+        assert (rank, False) in fx.ranks
+    return causes[0] if causes else None
+
+
+def woke(fx: Effects[object]) -> list[tuple[int, int]]:
+    """(rank, wave) of each WAKE sent."""
+    return [
+        (rank, m.wave)
+        for rank, frames in fx.sends
+        if isinstance(m := decode_request(frames[0], frames[1]), Wake)
+    ]
 
 
 def wire(c: GroupCore[object], rid: str) -> str:
@@ -46,9 +88,10 @@ def test_an_idle_rank_is_never_silent_and_silence_starts_at_its_first_request() 
     assert c.next_deadline() == math.inf
     c.submit("a", None, object(), 0, now=100.0)  # idle for 100 s, then given work
     assert c.next_deadline() == 130.0
-    assert c.on_timeout(129.9) == ([], None)
-    dead, _ = c.on_timeout(130.0)
-    assert dead == [(0, "silent for 30.0 s while holding 1 request(s) (silence_timeout=30 s)")]
+    fx = deadline(c, 129.9)
+    assert death(fx, 0) is None and not fx.sends
+    fx = deadline(c, 130.0)
+    assert death(fx, 0) == "silent for 30.0 s while holding 1 request(s) (silence_timeout=30 s)"
 
 
 def test_any_batch_resets_silence() -> None:
@@ -64,8 +107,8 @@ def test_stalled_lockstep_rank_gets_one_wake_at_the_clock_never_above() -> None:
     c.submit("a", None, object(), 0, now=0.0)
     send(c, 0, 1.0, load={"waiting": 1})
     assert c.next_deadline() == 5.0
-    assert c.on_timeout(5.0) == ([], 7)
-    assert c.on_timeout(6.0) == ([], None)  # once, until the rank makes progress
+    assert woke(deadline(c, 5.0)) == [(0, 7), (1, 7)]
+    assert not deadline(c, 6.0).sends  # once, until the rank makes progress
     assert c.counters.stall_wakes == 1
     send(c, 0, 7.0, outputs=[{"id": wire(c, "a"), "body": 1}])
     assert c.next_deadline() == 12.0  # progress re-arms the stall watch
@@ -76,13 +119,14 @@ def test_a_stuck_lockstep_rank_that_keeps_reporting_load_dies_of_no_progress() -
     c = core(lockstep=True)
     c.submit("a", None, object(), 0, now=0.0)
     send(c, 0, 1.0, load={"waiting": 1})
-    assert c.on_timeout(5.0) == ([], 0)  # the stall WAKE
+    assert woke(deadline(c, 5.0)) == [(0, 0), (1, 0)]  # the stall WAKE
     for t in range(6, 36):
         send(c, 0, float(t), load={"waiting": 1})  # heard, but no output
-    assert c.on_timeout(34.9) == ([], None)
-    dead, wake = c.on_timeout(35.0)
-    assert wake is None and len(dead) == 1 and dead[0][0] == 0
-    assert "no progress" in dead[0][1]
+    fx = deadline(c, 34.9)
+    assert not fx.sends and death(fx, 0) is None
+    fx = deadline(c, 35.0)
+    assert not woke(fx) and death(fx, 1) is None
+    assert "no progress" in (death(fx, 0) or "")
 
 
 def test_no_stall_wake_after_an_idle_period() -> None:
@@ -91,7 +135,8 @@ def test_no_stall_wake_after_an_idle_period() -> None:
     send(c, 0, 0.0, load={"waiting": 0})
     c.submit("a", None, object(), 0, now=1000.0)  # idle for 1000 s first
     send(c, 0, 1000.5, load={"waiting": 1})
-    assert c.on_timeout(1001.0) == ([], None)
+    fx = deadline(c, 1001.0)
+    assert not fx.sends and not fx.ranks
     assert c.next_deadline() == 1005.0
 
 
@@ -99,27 +144,27 @@ def test_independent_groups_never_stall_wake() -> None:
     c = core()
     c.submit("a", None, object(), 0, now=0.0)
     send(c, 0, 0.0, load={"waiting": 3})
-    assert c.on_timeout(10.0) == ([], None)
+    fx = deadline(c, 10.0)
+    assert not fx.sends and not fx.ranks
 
 
 def test_one_invalid_batch_is_a_connection_error() -> None:
     """§7: a batch that is not valid kills its rank at once (no 'N in a row')."""
     c = core()
-    result = c.on_message([rank_identity(0), b"\xff"], now=0)
-    assert result[1].dead is not None and "connection error" in result[1].dead
-    result = c.on_message([rank_identity(1), cbor2.dumps({"rank": 0})], now=0)[1]
-    assert result.dead is not None and "identity rank 1" in result.dead
+    assert "connection error" in (death(out(c, [rank_identity(0), b"\xff"], 0), 0) or "")
+    fx = out(c, [rank_identity(1), cbor2.dumps({"rank": 0})], 0)
+    assert "identity rank 1" in (death(fx, 1) or "")
     assert c.counters.protocol_errors == 2
 
 
 def test_a_message_with_the_wrong_frame_count_is_its_ranks_connection_error() -> None:
     """§7 (observation 6): counted against the rank, not only group-wide."""
     c = core()
-    rank, result = c.on_message([rank_identity(1), b"a", b"b"], now=0)
-    assert rank == 1 and result.dead is not None and "2 frames" in result.dead
+    fx = out(c, [rank_identity(1), b"a", b"b"], 0)
+    assert "2 frames" in (death(fx, 1) or "") and death(fx, 0) is None
     assert c.health[1].protocol_errors == 1
-    rank, result = c.on_message([b"\x01\x02\x03", b"x"], now=0)
-    assert rank is None and result.dead is None and c.counters.protocol_errors == 2
+    fx = out(c, [b"\x01\x02\x03", b"x"], 0)
+    assert not fx.ranks and c.counters.protocol_errors == 2 and c.is_up(0)
 
 
 def test_a_malformed_entry_ends_only_the_request_it_names() -> None:
@@ -128,7 +173,7 @@ def test_a_malformed_entry_ends_only_the_request_it_names() -> None:
     a, b = object(), object()
     c.submit("a", None, a, 0, now=0)
     c.submit("b", None, b, 0, now=0)
-    result = send(
+    fx = send(
         c,
         0,
         1.0,
@@ -138,23 +183,25 @@ def test_a_malformed_entry_ends_only_the_request_it_names() -> None:
             {"nothing": "usable"},
         ],
     )
-    assert result.dead is None
-    ended = {(e.handle, e.outcome) for e in result.effects.ended}
+    assert death(fx, 0) is None
+    ended = {(e.handle, e.outcome) for e, _ in fx.ended}
     assert ended == {(a, Outcome.FINISHED), (b, Outcome.PROTOCOL_ERROR)}
-    assert [h for h, _ in result.effects.deliveries] == [a]
+    assert [h for h, _ in fx.deliveries] == [a]
     assert c.counters.malformed_entries == 2 and c.counters.protocol_failed == 1
     assert c.routing.inflight_count(0) == 0 and c.is_up(0)
 
 
 def test_a_malformed_reply_fails_the_call_it_names() -> None:
     c = core()
-    result = send(c, 0, 0.0, replies=[{"call": 4, "error": 5}])
-    assert result.bad_replies == (
+    fx = send(c, 0, 0.0, replies=[{"call": 4, "error": 5}])
+    assert fx.replies == [
         (
             4,
+            0,
             "malformed entry of 'replies': reply key 'error' must be a text string, got an integer",
+            None,
         ),
-    )
+    ]
 
 
 def test_batches_of_another_epoch_are_stale_and_change_nothing() -> None:
@@ -171,8 +218,8 @@ def test_batches_of_another_epoch_are_stale_and_change_nothing() -> None:
             "dead": "old incarnation going away",
         }
     )
-    result = c.on_message([rank_identity(0), stale], now=29.0)[1]
-    assert result.effects is None and result.dead is None
+    fx = out(c, [rank_identity(0), stale], 29.0)
+    assert not fx.deliveries and not fx.ended and not fx.ranks
     assert c.counters.stale_messages == 1 and c.routing.load(0).waiting == 0
     assert c.next_deadline() == 30.0  # the stale batch did not count as heard
     assert "a" in c.book
@@ -182,25 +229,25 @@ def test_a_batch_without_epoch_is_taken_as_current() -> None:
     c = core()
     c.submit("a", None, object(), 0, now=0.0)
     body = cbor2.dumps({"rank": 0, "outputs": [{"id": wire(c, "a"), "finish": "stop"}]})
-    result = c.on_message([rank_identity(0), body], now=1.0)[1]
-    assert [e.outcome for e in result.effects.ended] == [Outcome.FINISHED]
+    fx = out(c, [rank_identity(0), body], 1.0)
+    assert [e.outcome for e, _ in fx.ended] == [Outcome.FINISHED]
 
 
 def test_dead_announcement_is_applied_after_the_rest_of_the_batch() -> None:
     c = core()
     h = object()
     c.submit("a", None, h, 0, now=0)
-    result = send(c, 0, 0, outputs=[{"id": wire(c, "a"), "body": 1, "finish": "stop"}], dead="oom")
-    assert result.effects is not None and [e.handle for e in result.effects.ended] == [h]
-    assert result.dead == "announced dead: 'oom'"
-    failure = c.rank_down(0, "announced dead: oom")
-    assert failure is not None and failure.ended == []  # nothing left to fail
+    fx = send(c, 0, 0, outputs=[{"id": wire(c, "a"), "body": 1, "finish": "stop"}], dead="oom")
+    assert [(e.handle, e.outcome) for e, _ in fx.ended] == [(h, Outcome.FINISHED)]  # no FAILED
+    assert [o.body for _, o in fx.deliveries] == [1]
+    assert death(fx, 0) == "announced dead: 'oom'" and not c.is_up(0)
 
 
 def test_batches_from_a_down_rank_are_stale() -> None:
     c = core()
-    c.rank_down(1, "test")
-    assert c.on_message([rank_identity(1), b"\xff"], now=0)[1].dead is None
+    c.on_rank_dead(1, "test")
+    c.take_effects()
+    assert not out(c, [rank_identity(1), b"\xff"], 0).logs
     assert c.counters.stale_messages == 1
 
 
@@ -239,7 +286,7 @@ def test_a_body_that_cannot_be_encoded_leaks_nothing() -> None:
 def test_an_add_larger_than_the_engine_accepts_is_refused_at_submit() -> None:
     """§1 (observation 3)."""
     c: GroupCore[object] = GroupCore(1, lockstep=False)
-    c.rank_up(0, now=0.0, epoch=1, max_message_size=1000)
+    c.on_rank_up(RankUp(0, 1, max_message_size=1000), 0.0)
     with pytest.raises(InvalidRequest, match=r"'big'.*more than rank 0 accepts \(1000 bytes"):
         c.submit("big", "x" * 1000, object(), None, now=0)
     assert len(c.book) == 0 and c.routing.inflight_count(0) == 0
@@ -255,7 +302,7 @@ def test_wire_ids_are_unique_for_the_life_of_the_core() -> None:
         sub = c.submit("same", None, object(), 0, now=0)
         assert sub.wire_id.startswith("same#") and sub.wire_id not in seen
         seen.add(sub.wire_id)
-        assert c.abort("same") is not None
+        assert c.on_abort("same", None) is not None
 
 
 def test_a_dead_rank_of_an_independent_group_is_resynced_alone() -> None:
@@ -263,18 +310,22 @@ def test_a_dead_rank_of_an_independent_group_is_resynced_alone() -> None:
     a, b = object(), object()
     c.submit("a", None, a, 0, now=0)
     c.submit("b", None, b, 1, now=0)
-    failure = c.rank_down(0, "silent")
-    assert failure is not None and failure.closed is None and failure.aborts == []
-    assert [(e.handle, type(err).__name__) for e, err in failure.ended] == [(a, "EngineDead")]
-    assert (failure.forget, failure.resync) == (0, True)
-    assert c.rank_down(0, "again") is None  # one verb, idempotent
+    c.on_rank_dead(0, "silent")
+    fx = c.take_effects()
+    assert fx.closed is None and not fx.sends
+    assert [(e.handle, type(err).__name__) for e, err in fx.ended] == [(a, "EngineDead")]
+    assert fx.forgets == [(0, True, EPOCH[0])] and fx.ranks == [(0, False)]
+    c.on_rank_dead(0, "again")  # one verb, idempotent
+    fx = c.take_effects()
+    assert not fx.ended and not fx.forgets and not fx.logs
     assert c.is_up(1) and "b" in c.book
 
 
 def test_a_rejoin_does_not_restart_the_handshake_it_is_part_of() -> None:
     c = core()
-    failure = c.rank_down(1, "said HELLO again", rejoin=True)
-    assert failure is not None and failure.forget is None and not failure.resync
+    c.on_rank_dead(1, "said HELLO again", rejoin=True)
+    fx = c.take_effects()
+    assert fx.ranks == [(1, False)] and not fx.forgets
 
 
 def test_a_dead_lockstep_rank_fails_the_group_and_aborts_on_its_peers() -> None:
@@ -282,13 +333,17 @@ def test_a_dead_lockstep_rank_fails_the_group_and_aborts_on_its_peers() -> None:
     a, b = object(), object()
     c.submit("a", None, a, 0, now=0)
     c.submit("b", None, b, 1, now=0)
-    failure = c.rank_down(1, "NCCL timeout")
-    assert failure is not None and failure.closed is not None
-    errors = {e.handle: err for e, err in failure.ended}
+    c.on_rank_dead(1, "NCCL timeout")
+    fx = c.take_effects()
+    assert fx.closed is not None
+    errors = {e.handle: err for e, err in fx.ended}
     assert type(errors[b]).__name__ == "EngineDead" and "NCCL timeout" in str(errors[b])
     assert type(errors[a]).__name__ == "GroupClosed" and "lockstep group failed" in str(errors[a])
-    assert [rank for rank, _ in failure.aborts] == [0]  # not to the dead rank
-    assert not c.is_up(0) and not c.is_up(1) and c.close() is None
+    assert [rank for rank, _ in fx.sends] == [0]  # the ABORT: not to the dead rank
+    assert fx.forgets == [(1, False, EPOCH[1])]  # not RESYNCed: nothing would take it back
+    assert not c.is_up(0) and not c.is_up(1)
+    c.on_close()
+    assert c.take_effects().closed is None  # closed already
     with pytest.raises(GroupClosed, match="lockstep group failed"):
         c.submit("c", None, object(), None, now=0)
 
@@ -309,7 +364,8 @@ def test_a_recovering_lockstep_group_waits_for_every_rank_then_serves() -> None:
     assert c.clock is not None and c.clock.wave == 0
     with pytest.raises(GroupRecovering, match="waits for every rank"):
         c.submit("b", None, object(), None, now=3)
-    assert send(c, 0, 3.0, wave_complete=50).effects is None  # stale: rank 0 is down
+    send(c, 0, 3.0, wave_complete=50)
+    assert c.clock.wave == 0  # stale: rank 0 is down
     c.on_rank_up(RankUp(0, 30, hello_wave=2), 4.0)
     assert c.recovering  # rank 1 is not back yet
     c.on_rank_dead(0, "died again")  # a new incarnation dies while the group waits
@@ -340,7 +396,9 @@ def test_close_ends_a_recovery_for_good() -> None:
     c = core(lockstep=True, recover=True)
     c.on_rank_dead(1, "gone")
     assert c.recovering
-    assert c.close("shutting down") is not None
+    c.take_effects()
+    c.on_close("shutting down")
+    assert c.take_effects().closed is not None
     assert type(c.closed) is GroupClosed and not c.recovering
     c.on_rank_up(RankUp(0, 40), 1.0)
     assert not c.is_up(0)
@@ -359,13 +417,15 @@ def test_without_recover_a_failed_lockstep_group_stays_closed() -> None:
 
 def test_closing_aborts_every_live_request_in_messages_the_engine_accepts() -> None:
     c: GroupCore[object] = GroupCore(1, lockstep=False)
-    c.rank_up(0, now=0.0, epoch=1, max_message_size=1000)
+    c.on_rank_up(RankUp(0, 1, max_message_size=1000), 0.0)
     for i in range(20):
         c.submit(f"{i:02d}" + "x" * 200, None, object(), 0, now=0)
-    failure = c.close()
-    assert failure is not None and len(failure.ended) == 20
-    assert all(len(frames[1]) + 1 <= 1000 for _, frames in failure.aborts)
-    assert sum(len(decode_request(*frames).ids) for _, frames in failure.aborts) == 20
+    c.take_effects()
+    c.on_close()
+    fx = c.take_effects()
+    assert len(fx.ended) == 20
+    assert all(len(frames[1]) + 1 <= 1000 for _, frames in fx.sends)
+    assert sum(len(decode_request(*frames).ids) for _, frames in fx.sends) == 20
 
 
 def test_one_wake_after_a_run_of_adds_in_a_lockstep_group_only() -> None:
@@ -373,8 +433,12 @@ def test_one_wake_after_a_run_of_adds_in_a_lockstep_group_only() -> None:
     for c in (lock, free):
         c.submit("a", None, object(), 0, now=0)
         c.submit("b", None, object(), 1, now=0)
-    assert lock.after_flush() == 0 and lock.after_flush() is None
-    assert free.after_flush() is None
+    lock.on_flushed()
+    assert woke(lock.take_effects()) == [(0, 0), (1, 0)]
+    lock.on_flushed()
+    assert not lock.take_effects().sends
+    free.on_flushed()
+    assert not free.take_effects().sends
 
 
 def test_long_batches_apply_in_slices_as_whole_and_stop_when_their_rank_dies() -> None:
@@ -384,9 +448,9 @@ def test_long_batches_apply_in_slices_as_whole_and_stop_when_their_rank_dies() -
 def test_load_kv_out_of_64_bit_range_is_refused_and_null_is_absent() -> None:
     c = core()
     c.submit("a", None, object(), 0, now=0.0)
-    assert send(c, 0, 1.0, load={"running": 1, "kv": None}).dead is None
+    assert death(send(c, 0, 1.0, load={"running": 1, "kv": None}), 0) is None
     assert c.routing.load(0).kv == 0.0
-    assert "connection error" in (send(c, 0, 2.0, load={"kv": 2**64 - 1}).dead or "")
+    assert "connection error" in (death(send(c, 0, 2.0, load={"kv": 2**64 - 1}), 0) or "")
 
 
 @pytest.mark.parametrize("stepped", [False, True], ids=["whole", "decoded-in-steps"])
@@ -399,8 +463,8 @@ def test_ids_that_only_look_issued_are_strays_and_a_batch_of_them_is_cut_short(
     c.submit("a", None, object(), 0, now=0.0)
     send(c, 0, 0.5, finished=[wire(c, "a")])  # "a#0" ended: an entry for it is late
     strays = ["a#0", *(f"x#{i % 3}" for i in range(20_000))]  # shaped like ours
-    result = send(c, 0, 1.0, finished=strays)
-    assert result.rest is None and "mostly strays" in (result.dead or "")
+    fx = send(c, 0, 1.0, finished=strays)
+    assert not c.has_work() and "mostly strays" in (death(fx, 0) or "")
     assert c.counters.late_outputs + c.counters.unknown_outputs <= c.slice_entries
 
 
@@ -422,10 +486,8 @@ def test_a_body_at_the_depth_limit_then_more_entries_applies_on_both_paths(
     wid = wire(c, "a")
     # the output body reaches nesting 64 in all; cbor2 left its decoder broken after the
     # depth error of the first attempt, and the stepped path then misread `finished`
-    result = send(c, 0, 1.0, outputs=[{"id": wid, "body": nested(61)}], finished=[wid])
-    while result.rest is not None:
-        result = c.continue_batch(result.rest, 1.0)
-    assert result.dead is None
+    send(c, 0, 1.0, outputs=[{"id": wid, "body": nested(61)}], finished=[wid])
+    assert death(drain(c, 1.0), 0) is None and c.is_up(0)
     assert c.counters.truncated == 1
 
 
@@ -437,8 +499,8 @@ def test_a_dead_incarnations_batch_of_junk_is_stale_and_kills_nobody(stepped: bo
     body = cbor2.dumps(
         {"rank": 0, "epoch": EPOCH[0] - 1, "finished": [f"x#{i}" for i in range(2000)]}
     )
-    result = c.on_message([rank_identity(0), body], 1.0)[1]
-    assert (result.dead, result.rest, c.counters.stale_messages) == (None, None, 1)
+    fx = out(c, [rank_identity(0), body], 1.0)
+    assert (death(fx, 0), c.has_work(), c.counters.stale_messages) == (None, False, 1)
     assert c.is_up(0)
 
 
@@ -448,10 +510,21 @@ def test_replies_do_not_outweigh_junk(stepped: bool) -> None:
     if stepped:
         c.incremental_bytes = 1
     replies = [{"call": i, "result": None} for i in range(1500)]
-    result = send(c, 0, 1.0, finished=[f"x#{i}" for i in range(1500)], replies=replies)
-    while result.rest is not None and result.dead is None:
-        result = c.continue_batch(result.rest, 1.0)
-    assert "mostly strays" in (result.dead or "")
+    c.on_output(
+        [
+            rank_identity(0),
+            cbor2.dumps(
+                {
+                    "rank": 0,
+                    "epoch": EPOCH[0],
+                    "finished": [f"x#{i}" for i in range(1500)],
+                    "replies": replies,
+                }
+            ),
+        ],
+        1.0,
+    )
+    assert "mostly strays" in (death(drain(c, 1.0), 0) or "")
 
 
 def test_the_core_times_each_rank_from_its_batches_and_reads_its_capacity() -> None:
@@ -487,9 +560,8 @@ def test_a_batch_applied_in_slices_is_timed_by_all_of_its_outputs() -> None:
         outputs = [{"id": w, "body": step} for w in wids]
         if step == 7:  # r7 finishes: a completion confirms the runs
             outputs[7]["finish"] = "stop"
-        result = send(c, 0, now, outputs=outputs)
-        while result.rest is not None:
-            result = c.continue_batch(result.rest, now)
+        send(c, 0, now, outputs=outputs)
+        drain(c, now)
     assert c.routing.step_time(0) == pytest.approx(0.01)
 
 
@@ -519,14 +591,13 @@ def test_a_gap_in_seq_while_the_rank_holds_requests_is_its_connection_error() ->
     c = core()
     c.submit("a", None, object(), 0, now=1)
     send(c, 0, 1.5, seq=0)
-    assert send(c, 0, 1.6, seq=2).dead is None  # a gap alone: §4's +1 is a SHOULD
+    assert death(send(c, 0, 1.6, seq=2), 0) is None  # a gap alone: §4's +1 is a SHOULD
     c.on_output_stray_closed()  # an unclaimed output connection closed: a loss, maybe
     send(c, 1, 1.7, seq=3)  # idle: a gap, nothing lost
     assert c.is_up(1)
-    result = send(c, 0, 2.0, seq=4)
-    assert result.dead is not None and "seq 3 never arrived" in result.dead
-    c.on_rank_dead(0, result.dead)
-    [(ended, error)] = c.take_effects().ended or []
+    fx = send(c, 0, 2.0, seq=4)
+    assert "seq 3 never arrived" in (death(fx, 0) or "")
+    [(ended, error)] = fx.ended
     assert ended.request_id == "a" and "seq 3 never arrived" in str(error)
 
 
@@ -535,12 +606,12 @@ def test_a_first_batch_before_the_rank_is_up_is_no_gap() -> None:
     stale, but its seq is remembered for that epoch."""
     c: GroupCore[object] = GroupCore(1, lockstep=False)
     early = cbor2.dumps({"rank": 0, "epoch": 5, "seq": 0, "load": {"waiting": 0, "running": 0}})
-    c.on_message([rank_identity(0), early], 0.0)
-    c.rank_up(0, now=0.1, epoch=5)
+    out(c, [rank_identity(0), early], 0.0)
+    c.on_rank_up(RankUp(0, 5), 0.1)
     c.on_output_stray_closed()
     c.submit("a", None, object(), 0, now=0.2)
     body = cbor2.dumps({"rank": 0, "epoch": 5, "seq": 1, "outputs": []})
-    assert c.on_message([rank_identity(0), body], 0.3)[1].dead is None
+    assert death(out(c, [rank_identity(0), body], 0.3), 0) is None and c.is_up(0)
 
 
 class _Resumes(NativeWire):
@@ -559,3 +630,42 @@ def test_requests_that_ended_with_a_resumable_rank_are_aborted_when_it_returns()
     sends = c.take_effects().sends or []
     aborts = [decode_request(*frames) for rank, frames in sends if rank == 0]
     assert any(getattr(a, "ids", None) == (wid,) for a in aborts), aborts
+
+
+def test_a_ranks_messages_wait_behind_its_long_batch_and_no_other_ranks_do() -> None:
+    """Step 0: while a long batch of rank 0 is in hand, its next message is held (and
+    applied after the batch's last slice, in order); rank 1's applies at once."""
+    c = core()
+    c.slice_entries = 2
+    for rid, rank in (("a", 0), ("b", 0), ("c", 0), ("z", 1)):
+        c.submit(rid, None, rid, rank, now=0.0)
+    long = [{"id": wire(c, r), "body": i} for i, r in enumerate("abc")]
+    fx = send(c, 0, 1.0, outputs=long)
+    assert [o.body for _, o in fx.deliveries] == [0, 1] and c.in_hand() == [0]
+    fx = send(c, 0, 1.0, outputs=[{"id": wire(c, "a"), "body": 9, "finish": "stop"}])
+    assert not fx.deliveries and not fx.ended  # held behind the batch
+    fx = send(c, 1, 1.0, outputs=[{"id": wire(c, "z"), "body": 5}])
+    assert [(h, o.body) for h, o in fx.deliveries] == [("z", 5)]  # not held up
+    fx = drain(c, 1.0)
+    assert [(h, o.body) for h, o in fx.deliveries] == [("c", 2), ("a", 9)]
+    assert [(e.handle, e.outcome) for e, _ in fx.ended] == [("a", Outcome.FINISHED)]
+    assert not c.has_work()
+
+
+def test_a_rank_that_sends_past_held_limit_behind_its_long_batch_is_dead() -> None:
+    c = core(held_limit=100)
+    c.slice_entries = 1
+    for rid in "ab":
+        c.submit(rid, None, rid, 0, now=0.0)
+    send(c, 0, 1.0, outputs=[{"id": wire(c, r), "body": 0} for r in "ab"])
+    assert c.in_hand() == [0]
+    small = {"rank": 0, "epoch": EPOCH[0], "load": {"waiting": 1}}
+    assert death(out(c, [rank_identity(0), cbor2.dumps(small)], 1.0), 0) is None
+    fx = send(c, 0, 1.0, outputs=[{"id": wire(c, "b"), "body": "x" * 80}])
+    assert "faster than its batches could be applied (over 100" in (death(fx, 0) or "")
+    assert [(e.handle, e.outcome) for e, _ in fx.ended] == [
+        ("a", Outcome.FAILED),
+        ("b", Outcome.FAILED),
+    ]
+    assert not fx.deliveries
+    assert not c.has_work() and c.counters.stale_messages == 2  # the held ones, dropped

@@ -1,8 +1,11 @@
 """A Hypothesis state machine for request retirement across engine incarnations.
 
-The machine drives the real `GroupCore` (routing, request book, epochs, the codec) with
-encoded batches, against a model that knows the ground truth the core cannot see:
-which *submission* (handle) and which *incarnation* each engine message belongs to.
+The machine drives the real `GroupCore` (routing, request book, epochs, the codec)
+through the facts production tells it (`submit`, `on_output` and `advance` with encoded
+batches, `on_abort`, `on_deadline`, `on_rank_up`, `on_rank_dead`), reading what they
+decided from `take_effects()` (ABORTs go to the engines' inboxes from there), against a
+model that knows the ground truth the core cannot see: which *submission* (handle) and
+which *incarnation* each engine message belongs to.
 
 Engines are modelled per rank and per incarnation, each with a FIFO inbox (ADD/ABORT)
 and a FIFO outbox (output batches). When a rank dies, its incarnation does not vanish:
@@ -49,6 +52,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from zmqdp._core.codec import decode_request
+from zmqdp._core.effects import Effects
 from zmqdp._core.errors import (
     DuplicateRequestId,
     EngineDead,
@@ -56,9 +61,11 @@ from zmqdp._core.errors import (
     InvalidRequest,
     NoEngineAvailable,
     Overloaded,
+    RequestAborted,
+    RequestTimeout,
 )
-from zmqdp._core.handshake import rank_identity
-from zmqdp._core.messages import Load
+from zmqdp._core.handshake import RankUp, rank_identity
+from zmqdp._core.messages import Abort, Load
 from zmqdp._core.requests import Outcome
 from zmqdp._core.state import GroupCore
 
@@ -90,7 +97,8 @@ class _Pending:
     chunks: deque[list[Event]]
     dead: bool
     failed: set[str]
-    rest: Any = None
+    more: bool = False
+    """The core has the rest of this batch in hand (`GroupCore.in_hand`)."""
 
 
 @dataclass
@@ -135,10 +143,9 @@ class RetirementMachine(RuleBasedStateMachine):
     )
     def setup(self, n: int, limits: list[int], slice_entries: int, caps: list[int | None]) -> None:
         self.n = n
-        self.core: GroupCore[Handle] = self.core_cls(n, lockstep=False)
+        # (no silence deaths: the model does not keep time for engines)
+        self.core: GroupCore[Handle] = self.core_cls(n, lockstep=False, silence_timeout=math.inf)
         self.caps = caps[:n]
-        for rank, cap in enumerate(self.caps):
-            self.core.routing.set_cap(rank, cap)
         self.deadlines: dict[Handle, float] = {}
         self.core.slice_entries = slice_entries  # small: long batches come in slices
         self.pending: _Pending | None = None
@@ -164,7 +171,25 @@ class RetirementMachine(RuleBasedStateMachine):
     def _bring_up(self, rank: int) -> None:
         epoch = next(self.epochs)
         self.current[rank] = Incarnation(rank, epoch)
-        self.core.rank_up(rank, self.now, epoch=epoch, max_message_size=self.limits[rank])
+        self.core.on_rank_up(
+            RankUp(rank, epoch, max_message_size=self.limits[rank]), self.now, cap=self.caps[rank]
+        )
+        fx = self.core.take_effects()
+        assert fx.ranks == [(rank, True)] and not fx.ended and not fx.sends
+
+    def _aborts(self, fx: Effects[Handle]) -> dict[int, list[str]]:
+        """The ABORTs the core asked for, per rank, into the current engines' inboxes
+        (what the transport would send)."""
+        sent: dict[int, list[str]] = {}
+        for rank, frames in fx.sends:
+            msg = decode_request(frames[0], frames[1])
+            assert isinstance(msg, Abort), f"rank {rank} sent {msg}"
+            engine = self.current[rank]
+            assert engine is not None, f"an ABORT to rank {rank}, which is down"
+            for wid in msg.ids:
+                engine.inbox.append(("abort", wid, None))
+            sent.setdefault(rank, []).extend(msg.ids)
+        return sent
 
     def _up(self, rank: int) -> bool:
         return self.current[rank] is not None
@@ -234,17 +259,23 @@ class RetirementMachine(RuleBasedStateMachine):
         return handle
 
     def _client_abort(self, rid: str, handle: Handle | None) -> None:
-        ended = self.core.abort(rid, handle)
+        ended = self.core.on_abort(rid, handle)
+        fx = self.core.take_effects()
         entry = self.live.get(rid)
         if entry is None or (handle is not None and entry.handle is not handle):
-            assert ended is None, f"abort of {rid} ({handle}) ended {ended}"
+            assert ended is None and not fx.ended, f"abort of {rid} ({handle}) ended {ended}"
+            assert not fx.sends
             return
         assert ended is not None and ended.handle is entry.handle and ended.rank == entry.rank
         assert ended.wire_id == entry.wire_id
+        [(got, error)] = fx.ended
+        assert got is ended
+        if handle is None:  # the user's abort: a reader sees why
+            assert isinstance(error, RequestAborted) and error.request_id == rid
+        else:
+            assert error is None
         self._record_end(entry.handle, ended.outcome, Outcome.ABORTED)
-        engine = self.current[entry.rank]
-        assert engine is not None
-        engine.inbox.append(("abort", entry.wire_id, None))
+        assert self._aborts(fx) == {entry.rank: [entry.wire_id]}
 
     # -- client rules -----------------------------------------------------------------
 
@@ -266,18 +297,22 @@ class RetirementMachine(RuleBasedStateMachine):
             for e in self.live.values()
             if e.handle in self.deadlines and self.deadlines[e.handle] <= self.now
         }
-        expired = self.core.expire(self.now)
+        self.core.on_deadline(self.now)
+        fx = self.core.take_effects()
+        expired = fx.ended
         assert {ended.handle for ended, _ in expired} == due, (
             f"at {self.now} expired {[e.handle for e, _ in expired]}, due: {due}"
         )
+        aborts: dict[int, list[str]] = {}
         for ended, error in expired:
             entry = self.live[ended.request_id]
             assert ended.wire_id == entry.wire_id and ended.rank == entry.rank
+            assert isinstance(error, RequestTimeout)
             assert error.request_id == ended.request_id and error.rank == ended.rank
             self._record_end(ended.handle, ended.outcome, Outcome.TIMED_OUT)
-            engine = self.current[entry.rank]
-            assert engine is not None
-            engine.inbox.append(("abort", entry.wire_id, None))
+            aborts.setdefault(entry.rank, []).append(entry.wire_id)
+        assert self._aborts(fx) == aborts, "an expired request was not ABORTed on its rank"
+        assert not fx.ranks, "a rank died of time passing"
 
     @rule(rid=st.sampled_from(IDS), pin=st.integers(MAX_RANKS, MAX_RANKS + 3))
     def submit_out_of_range(self, rid: str, pin: int) -> None:
@@ -412,15 +447,29 @@ class RetirementMachine(RuleBasedStateMachine):
             eng = data.draw(st.sampled_from(engines))
             eng.outbox.append([Event("ghost", rid, None)])
 
-    @precondition(lambda self: self.pending is None and any(e.outbox for e in self._engines()))
+    def _receivable(self) -> list[Incarnation]:
+        """The engines whose next batch the model lets the dispatcher take now: any, or,
+        while a long batch of one rank is in hand, those of other ranks whose next batch
+        is short: it applies at once, ahead of the rest of that long batch (one rank's
+        long batch holds up no other rank)."""
+        engines = [e for e in self._engines() if e.outbox]
+        pending = self.pending
+        if pending is None:
+            return engines
+        k = self.core.slice_entries
+        return [
+            e
+            for e in engines
+            if e.rank != pending.eng.rank and sum(ev.kind != "dead" for ev in e.outbox[0]) <= k
+        ]
+
+    @precondition(lambda self: bool(self._receivable()))
     @rule(data=st.data())
     def client_receives(self, data: st.DataObject) -> None:
         """The dispatcher takes one batch; a long one (more than `slice_entries`
         entries) is applied slice by slice, and the rest may wait while other rules run
         (`client_continues`), as the dispatcher checkpoints between slices."""
-        if self.pending is not None:
-            return  # the dispatcher is still on a batch: it takes the next one after
-        engines = [e for e in self._engines() if e.outbox]
+        engines = self._receivable()
         if not engines:
             return
         eng = data.draw(st.sampled_from(engines))
@@ -450,26 +499,28 @@ class RetirementMachine(RuleBasedStateMachine):
         chunks = deque(ordered[i : i + k] for i in range(0, len(ordered), k)) or deque([[]])
         self.now += 0.001
         load_before = self.routing.load(rank)
-        got_rank, result = self.core.on_message([rank_identity(rank), cbor2.dumps(batch)], self.now)
-        assert got_rank == rank
+        self.core.on_output([rank_identity(rank), cbor2.dumps(batch)], self.now)
+        fx = self.core.take_effects()
         if not current:
             assert self.routing.load(rank) == load_before, "a stale batch's load was applied"
-        self.pending = _Pending(eng, chunks, dead, set())
-        self._check_slice(result)  # the rest, if any, comes with `client_continues`
+        pending = _Pending(eng, chunks, dead, set())
+        self._check_slice(pending, fx)  # the rest, if any, comes with `client_continues`
+        if pending.more:
+            assert self.pending is None
+            self.pending = pending
 
-    @precondition(lambda self: self.pending is not None and self.pending.rest is not None)
+    @precondition(lambda self: self.pending is not None and self.pending.more)
     @rule()
     def client_continues(self) -> None:
         """The dispatcher applies the next slice of the batch it is on."""
-        if self.pending is None or self.pending.rest is None:
+        if self.pending is None or not self.pending.more:
             return
         self.now += 0.001
-        self._check_slice(self.core.continue_batch(self.pending.rest, self.now))
+        self.core.advance(self.core.in_hand(), self.now)
+        self._check_slice(self.pending, self.core.take_effects())
 
-    def _check_slice(self, result: Any) -> None:
+    def _check_slice(self, pending: _Pending, fx: Effects[Handle]) -> None:
         """Compare what the core did with one slice against the model's prediction."""
-        pending = self.pending
-        assert pending is not None
         eng = pending.eng
         rank = eng.rank
         chunk = pending.chunks.popleft()
@@ -506,33 +557,41 @@ class RetirementMachine(RuleBasedStateMachine):
                 expect_end.append((ev.truth, Outcome.TRUNCATED))
                 failed.add(str(ev.wire_id))
         last = not pending.chunks
+        in_hand = self.core.in_hand()
+        more = rank in in_hand
         if current and not last:
-            assert result.rest is not None, f"rank {rank}: a long batch stopped after a slice"
+            assert more, f"rank {rank}: a long batch stopped after a slice"
         else:
-            assert result.rest is None, f"rank {rank}: slices left in a batch that is over"
+            assert not more, f"rank {rank}: slices left in a batch that is over"
+        other = self.pending
+        others = {other.eng.rank} if other is not None and other is not pending else set()
+        want = ({rank} if more else set()) | others
+        assert set(in_hand) == want, f"in hand: {in_hand}, expected the long batches of {want}"
+        died = (rank, False) in fx.ranks
         if pending.dead and current and last:
-            assert result.dead is not None, f"rank {rank} announced dead, nothing happened"
+            assert died, f"rank {rank} announced dead, nothing happened"
         else:
-            assert result.dead is None, (
+            assert not died, (
                 f"rank {rank} killed by a batch of {'its current' if current else 'a dead'}"
                 " incarnation with only entry errors"
             )
-        fx = result.effects
-        got = [] if fx is None else [(h, o.request_id) for h, o in fx.deliveries]
+        got = [(h, o.request_id) for h, o in fx.deliveries]
         assert got == expect_deliver, f"delivered {got}, expected {expect_deliver}"
-        ended = [] if fx is None else [(e.handle, e.outcome) for e in fx.ended]
+        ended = [(e.handle, e.outcome) for e, _ in fx.ended if e.outcome is not Outcome.FAILED]
         assert ended == expect_end, f"ended {ended}, expected {expect_end}"
         for handle, outcome in expect_end:
             self._record_end(handle, outcome, outcome)
-        pending.rest = result.rest
-        if result.rest is None:
+        pending.more = more
+        if not more and self.pending is pending:
             self.pending = None
-        if result.dead is not None:
-            self._kill(rank)
+        if died:
+            self._check_death(rank, fx)
+        else:
+            assert not [e for e, _ in fx.ended if e.outcome is Outcome.FAILED]
 
     # -- rank lifecycle ---------------------------------------------------------------
 
-    @precondition(lambda self: self.pending is not None and self.pending.rest is not None)
+    @precondition(lambda self: self.pending is not None and self.pending.more)
     @rule()
     def rank_dies_mid_batch(self) -> None:
         """The rank whose long batch the dispatcher is on dies between two slices (a
@@ -547,17 +606,28 @@ class RetirementMachine(RuleBasedStateMachine):
         self._kill(self._rank(r))
 
     def _kill(self, rank: int) -> None:
-        eng = self.current[rank]
-        if eng is None:
+        if self.current[rank] is None:
             return
+        self.core.on_rank_dead(rank, "dead: test")
+        self._check_death(rank, self.core.take_effects())
+
+    def _check_death(self, rank: int, fx: Effects[Handle]) -> None:
+        """`rank`'s current incarnation was declared dead in `fx`: each of its live
+        requests ends FAILED once, it is RESYNCed, and the rest of a batch of it in hand
+        is dropped (it would apply to the next incarnation)."""
+        eng = self.current[rank]
+        assert eng is not None
         expected = {e.handle for e in self.live.values() if e.rank == rank}
-        failure = self.core.rank_down(rank, "dead: test")
-        assert failure is not None and failure.closed is None
-        assert failure.forget == rank and failure.resync
-        assert {e.handle for e, _ in failure.ended} == expected
-        for e, error in failure.ended:
+        assert fx.closed is None and (rank, False) in fx.ranks
+        assert fx.forgets == [(rank, True, eng.epoch)]
+        failed = [(e, error) for e, error in fx.ended if e.outcome is Outcome.FAILED]
+        assert {e.handle for e, _ in failed} == expected
+        for e, error in failed:
             assert isinstance(error, EngineDead) and error.rank == rank
             self._record_end(e.handle, e.outcome, Outcome.FAILED)
+        assert rank not in self.core.in_hand(), f"rank {rank} died, its batch is still in hand"
+        if self.pending is not None and self.pending.eng is eng:
+            self.pending = None
         self.current[rank] = None
         self.zombies.append(eng)
         self.last_seq[rank] = None

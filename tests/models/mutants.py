@@ -6,6 +6,7 @@ machines and the exhaustive wave search against each and requires a failure.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 from zmqdp._core.codec import EntryCursor
@@ -15,9 +16,9 @@ from zmqdp._core.messages import OutputBatch
 from zmqdp._core.outbox import Outbox
 from zmqdp._core.requests import RequestBook
 from zmqdp._core.routing import SPEED_BAND, SPEED_SPREAD, STEP_RUN, STEP_WEIGHT, Routing
-from zmqdp._core.state import BatchRest, BatchResult, GroupCore, RankHealth
+from zmqdp._core.state import BatchRest, GroupCore, RankHealth
 from zmqdp._core.waves import WaveClock
-from zmqdp._core.wire import NativeWire
+from zmqdp._core.wire import Incoming, NativeWire
 
 # -- request lifecycle (caught by tests/models/lifecycle.py) ----------------------------
 
@@ -85,18 +86,46 @@ class IgnoresCaps(GroupCore[Any]):
 class IgnoresDeadlines(GroupCore[Any]):
     """Request deadlines never expire (a stuck engine holds the request forever)."""
 
-    def expire(self, now: float) -> list[Any]:
-        return []
+    def _expire(self, now: float) -> None:
+        pass
 
 
 class ContinuesStaleBatch(GroupCore[Any]):
-    """Applies the rest of a long batch even if its incarnation died meanwhile."""
+    """Keeps a dead rank's long batch in hand and applies its rest, as if its
+    incarnation had not ended."""
 
-    def continue_batch(self, rest: BatchRest, now: float) -> BatchResult[Any]:
+    def _drop_held(self, rank: int) -> None:
+        rest = self._long.get(rank)
+        super()._drop_held(rank)
+        if rest is not None:
+            self._long[rank] = rest
+
+    def _continue(self, rest: BatchRest, now: float) -> BatchRest | None:
         rest.health = self.health[rest.rank]  # pretend it is still the current one
         if not self.is_up(rest.rank):
             self.routing.set_up(rest.rank)
-        return super().continue_batch(rest, now)
+        return super()._continue(rest, now)
+
+
+# -- the hold queue behind a long batch (caught by tests/models/long_batches.py) ------
+
+
+class AppliesHeldAtOnce(GroupCore[Any]):
+    """Applies a message of a rank whose long batch is in hand at once, ahead of the
+    rest of that batch: the rank's order is lost."""
+
+    def _take(self, msg: Incoming, now: float) -> None:
+        rest = self._incoming(msg, now)
+        if rest is not None and rest.rank not in self._long:
+            self._long[rest.rank] = rest
+
+
+class UncountedHeld(GroupCore[Any]):
+    """Holds messages behind a long batch without counting their bytes: a rank that
+    floods while its batch is applied is never stopped (`held_limit`)."""
+
+    def _hold(self, rank: int, msg: Incoming) -> None:
+        self._held.setdefault(rank, collections.deque()).append(msg)
 
 
 class _SkippingCursor(EntryCursor):

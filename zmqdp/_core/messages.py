@@ -2,7 +2,9 @@
 
 These are plain values: the codec (`codec.py`) turns them into bytes and back, and the
 state machines consume them. Field names follow the wire keys, except where a Python
-name is clearer (`Output.request_id` for the wire key `id`).
+name is clearer (`Output.request_id` for the wire key `id`). The protocol's limits and
+the validators of what an application hands in (`check_request_id`, `check_timeout`,
+`check_rank`) live here too: the core, the options and the transports share them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .errors import InvalidRequest, quote
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
+    "MAX_ID_LENGTH",
     "PROTOCOL_VERSION",
     "Abort",
     "Add",
@@ -36,27 +39,18 @@ __all__ = [
     "RequestMessage",
     "Resync",
     "Wake",
+    "check_rank",
+    "check_request_id",
     "check_timeout",
 ]
 
 PROTOCOL_VERSION = 1
 
 DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
-"""docs/protocol.md §1 and §1: what a peer accepts unless it says otherwise."""
+"""docs/protocol.md §1: what a peer accepts unless it says otherwise."""
 
-
-# -- validators of what users pass ---------------------------------------------------
-
-
-def check_timeout(request_id: str, timeout: Any) -> float | None:
-    """A request timeout is a positive finite number of seconds, or None."""
-    if timeout is None:
-        return None
-    if type(timeout) in (int, float) and 0 < timeout < math.inf:
-        return float(timeout)
-    raise InvalidRequest(
-        request_id, f"timeout must be a positive number of seconds or None, got {quote(timeout)}"
-    )
+MAX_ID_LENGTH = 512
+"""Longest application id accepted, in characters: ids appear in every log line."""
 
 
 # -- handshake (§2) -------------------------------------------------------------------
@@ -232,3 +226,48 @@ class BadEntry(NamedTuple):
     key: Literal["outputs", "finished", "replies"]
     id: str | int | None
     cause: str
+
+
+# -- what an application hands in ------------------------------------------------------
+
+
+def check_request_id(request_id: Any) -> str:
+    """Return `request_id` if it is a usable application id, else raise
+    `InvalidRequest` saying why."""
+    if type(request_id) is not str:
+        raise InvalidRequest(
+            quote(request_id), f"the id must be a str, got {type(request_id).__name__}"
+        )
+    if not request_id:
+        raise InvalidRequest(request_id, "the id must not be empty")
+    if len(request_id) > MAX_ID_LENGTH:
+        raise InvalidRequest(
+            request_id, f"the id is {len(request_id)} characters long; at most {MAX_ID_LENGTH}"
+        )
+    try:
+        request_id.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            request_id, f"the id has no UTF-8 form (lone surrogate at {exc.start})"
+        ) from None
+    return request_id
+
+
+def check_timeout(request_id: str, timeout: Any) -> float | None:
+    """A request timeout is a positive finite number of seconds, or None."""
+    if timeout is None:
+        return None
+    if type(timeout) in (int, float) and 0 < timeout < math.inf:
+        return float(timeout)
+    raise InvalidRequest(
+        request_id, f"timeout must be a positive number of seconds or None, got {quote(timeout)}"
+    )
+
+
+def check_rank(request_id: str, rank: Any) -> int | None:
+    """A pinned rank must be an int (not a bool, float or string) or None."""
+    if rank is None or type(rank) is int:
+        return rank
+    raise InvalidRequest(
+        request_id, f"rank must be an int or None, got {type(rank).__name__} {quote(rank)}"
+    )
