@@ -359,7 +359,7 @@ class World(Checks):
 
     def client_after_flush(self, _: int = 0) -> None:
         """The input task handed a run of ADDs to libzmq: one wake, with the clock as it
-        is now (`EngineGroup._after_flush`)."""
+        is now (`GroupCore.on_flushed`)."""
         self.adds_due = False
         self._publish(self.client.after_adds())
 

@@ -44,7 +44,8 @@ class Effects(Generic[H]):
     dropped: list[int] = _NONE  # type: ignore[assignment]
     """Ranks whose queued input messages belong to an incarnation that is gone."""
     forgets: list[tuple[int, bool, int | None]] = _NONE  # type: ignore[assignment]
-    """(rank, resync): its handshake starts over (RESYNC it until it says HELLO)."""
+    """(rank, resync, incarnation): that incarnation's handshake starts over (RESYNC it
+    until it says HELLO); a newer one the transport has accepted since is kept."""
     ranks: list[tuple[int, bool]] = _NONE  # type: ignore[assignment]
     """(rank, up) for each rank that came up or went down."""
     logs: list[tuple[int, str | None, str]] = _NONE  # type: ignore[assignment]
