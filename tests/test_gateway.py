@@ -79,20 +79,9 @@ server = pytest.fixture(params=SERVERS, name="server")(server_param)
 
 @asynccontextmanager
 async def serving(app: GatewayApp, **config_options: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """`app` on hypercorn's trio worker on 127.0.0.1:0, and a client of it. The server
-    stops (lifespan shutdown: drain and close) when the block ends. `config_options` set
-    attributes of hypercorn's `Config` (`keep_alive_timeout`...)."""
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.graceful_timeout = 2.0
-    for name, value in config_options.items():
-        setattr(config, name, value)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
-        async with httpx.AsyncClient(base_url=binds[0], timeout=15) as client:
-            yield client
-        stop.set()
+    """`app` on hypercorn's trio worker (`gateway_helpers.serving`), and a client of it."""
+    async with serving_on("hypercorn", app, **config_options) as client:
+        yield client
 
 
 @asynccontextmanager
@@ -621,61 +610,6 @@ def test_a_dead_engine_is_a_502(tmp_path: Path, server: str) -> None:
 # -- probes and metrics ---------------------------------------------------------------------
 
 
-async def test_health_and_ready_while_serving() -> None:
-    async with serving(create_app(mock=FAST_MOCK)) as client:
-        health = await client.get("/health")
-        ready = await client.get("/ready")
-    assert health.status_code == 200 and health.json()["live"] is True
-    assert ready.status_code == 200
-    assert ready.json() | {"room": None} == {
-        "gateway_draining": False,
-        "live": True,
-        "ready": True,
-        "draining": False,
-        "ranks_up": 2,
-        "size": 2,
-        "inflight": 0,
-        "room": None,
-        "recovering": False,
-    }
-
-
-async def test_metrics_parse_with_per_rank_series() -> None:
-    app = create_app(mock=FAST_MOCK, max_inflight=4)
-    async with serving(app) as client:
-        for rank in (0, 1, 1):
-            response = await client.post(
-                "/v1/completions",
-                json={"prompt": "abc", "max_tokens": 3},
-                headers={"X-Data-Parallel-Rank": str(rank)},
-            )
-            assert response.status_code == 200
-        await client.post("/v1/completions", content=b"nope")
-        text = (await client.get("/metrics")).text
-    metrics = Metrics(text)
-    families, samples = metrics.families, metrics.by_rank
-    assert samples("zmqdp_rank_up") == {"0": 1.0, "1": 1.0}
-    assert samples("zmqdp_rank_cap") == {"0": 4.0, "1": 4.0}
-    assert samples("zmqdp_rank_inflight") == {"0": 0.0, "1": 0.0}
-    for name in ("zmqdp_rank_waiting", "zmqdp_rank_running", "zmqdp_rank_kv_cache_usage_ratio"):
-        assert set(samples(name)) == {"0", "1"}
-    assert samples("zmqdp_rank_ttft_seconds", "_count") == {"0": 1.0, "1": 2.0}
-    assert samples("zmqdp_rank_latency_seconds", "_count") == {"0": 1.0, "1": 2.0}
-    assert families["zmqdp_rank_ttft_seconds"].type == "histogram"
-    assert samples("zmqdp_requests_submitted", "_total") == {"": 3.0}
-    assert samples("zmqdp_requests_finished", "_total") == {"": 3.0}
-    # every int counter of GroupStatistics is exported
-    st = stats(app)
-    for field in ("aborted", "failed", "timed_out", "overloaded", "overflowed"):
-        assert f"zmqdp_requests_{field}" in families, field
-    for field in ("protocol_errors", "late_outputs", "wakes", "resyncs", "impersonations"):
-        assert families[f"zmqdp_{field}"].samples[0].value == getattr(st, field)
-    http = metrics.http()
-    assert http[("completions", "200")] == 3 and http[("completions", "400")] == 1
-    assert families["zmqdp_gateway_completion_tokens"].samples[0].value == 9
-    assert families["zmqdp_group_ready"].samples[0].value == 1
-
-
 def test_probes_and_metrics_with_per_rank_series(tmp_path: Path, server: str) -> None:
     async def body(s: Served) -> None:
         client = s.client
@@ -715,6 +649,14 @@ def test_probes_and_metrics_with_per_rank_series(tmp_path: Path, server: str) ->
         assert samples("zmqdp_rank_latency_seconds", "_count") == {"0": 1.0, "1": 2.0}
         assert samples("zmqdp_requests_submitted", "_total") == {"": 3.0}
         assert samples("zmqdp_requests_finished", "_total") == {"": 3.0}
+        families = metrics.families
+        assert families["zmqdp_rank_ttft_seconds"].type == "histogram"
+        # every int counter of GroupStatistics is exported
+        st = s.stats()
+        for field in ("aborted", "failed", "timed_out", "overloaded", "overflowed"):
+            assert f"zmqdp_requests_{field}" in families, field
+        for field in ("protocol_errors", "late_outputs", "wakes", "resyncs", "impersonations"):
+            assert families[f"zmqdp_{field}"].samples[0].value == getattr(st, field)
         http = metrics.http()
         assert http[("completions", "200")] == 3 and http[("completions", "400")] == 1
         assert http[("health", "200")] == 1 and http[("ready", "200")] == 1
