@@ -13,7 +13,7 @@ import trio
 import zmqdp.vllm
 from zmqdp.vllm import WIRE_VERSIONS, VllmError, VllmOutput
 from zmqdp.vllm.codec import decode_outputs, wire_version
-from zmqdp.vllm.sockets import MASTER_PORTS, moe_parallel_config
+from zmqdp.vllm.sockets import MASTER_PORTS, _ephemeral_low, moe_parallel_config
 
 enc = msgspec.msgpack.encode
 
@@ -137,7 +137,11 @@ def test_the_moe_init_names_no_coordination_store_and_enough_master_ports() -> N
     assert len({config["data_parallel_master_port"], *ports}) == len(ports) + 1
     assert config["data_parallel_size"] == 2
     assert config["data_parallel_master_ip"] == "127.0.0.1"
+    low = _ephemeral_low()
     for port in (config["data_parallel_master_port"], *ports):
+        # below the ephemeral range: no outgoing connection takes it before an engine
+        # binds it (a MoE worker died of EADDRINUSE when one did)
+        assert port < low
         with socket.socket() as s:  # each one is free to bind
             s.bind(("127.0.0.1", port))
 

@@ -106,11 +106,41 @@ class _Dormant:
     answered: bool = False
 
 
-def _free_tcp_ports(host: str, n: int) -> list[int]:
-    """`n` ports the OS says are free now on `host` (for the MoE parallel_config)."""
-    socks = []
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_low(path: str = EPHEMERAL_RANGE) -> int:
+    """The lowest port the OS hands out to outgoing connections (Linux; 32768 elsewhere)."""
     try:
-        for _ in range(n):
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_tcp_ports(host: str, n: int) -> list[int]:
+    """`n` distinct ports free now on `host`, for the MoE parallel_config, taken below
+    the OS's ephemeral range: an engine binds them only once its model has loaded (a
+    minute or more later, or at its restart hours later), and a port of the ephemeral
+    range is meanwhile taken by any outgoing connection (the engines' own store clients
+    took one here: the worker died of EADDRINUSE, measured). Falls back to ports the
+    OS picks if that range has none free."""
+    low = _ephemeral_low()
+    first = max(1024, low // 2)
+    socks: list[_socket.socket] = []
+    try:
+        if low - first >= 4 * n:
+            for port in secrets.SystemRandom().sample(range(first, low), min(low - first, 64 * n)):
+                if len(socks) == n:
+                    break
+                s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    s.close()
+                    continue
+                socks.append(s)
+        while len(socks) < n:
             s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
             s.bind((host, 0))
             socks.append(s)
