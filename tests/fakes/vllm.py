@@ -371,6 +371,7 @@ class FakeVllmEngine:
             "is_sleeping": lambda: False,
             "get_supported_tasks": lambda: ["generate"],
             "echo": lambda *a: list(a),
+            "reset_mm_cache": lambda: None,  # vLLM's API server calls it at start-up
         }
         self.no_ready = False
         self.frozen = False
