@@ -28,6 +28,7 @@ token, which is how the load generator counts them (bench_gateway.py `vllm_token
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -164,9 +165,22 @@ class Stack:
         "smg": "SMG 1.13 (Rust)",
         "trio": "zmqdp serve (hypercorn, trio)",
         "asyncio": "zmqdp serve --server uvicorn (asyncio)",
+        "vllm": "vllm serve (vLLM's Python API server)",
+        "vllmrs": "VLLM_USE_RUST_FRONTEND=1 vllm serve (vLLM's Rust vllm-rs)",
     }
 
-    def __init__(self, kind: str, model: Path, step_time: float, smg: Path | None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        model: Path,
+        step_time: float,
+        smg: Path | None,
+        version: str = "0.33",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """`smg`: SMG's launcher (kind "smg"), or vLLM's ``vllm`` CLI (kinds "vllm" and
+        "vllmrs"), run with `extra_env`; `version`: the vLLM version the fake engines
+        play (_vllmfe.py)."""
         self.kind = kind
         self.name = self.NAMES[kind]
         self.model = str(model)
@@ -190,6 +204,20 @@ class Stack:
             cmd += ["--health-check-interval-secs", "1", "--host", "127.0.0.1"]
             cmd += ["--port", str(self.port), "--prometheus-host", "127.0.0.1"]
             cmd += ["--prometheus-port", str(free_port()), "--log-level", "warn"]
+        elif kind in ("vllm", "vllmrs"):  # as /work/shared/reference/vllm_frontend_run.md
+            assert smg is not None
+            rpc = free_port()
+            engines_url = f"tcp://127.0.0.1:{rpc}"
+            env.update(VLLM_TARGET_DEVICE="cpu", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1")
+            env.update(VLLM_LOGGING_LEVEL="WARNING", VLLM_NO_USAGE_STATS="1")
+            env.update(extra_env or {})
+            if kind == "vllmrs":
+                env["VLLM_USE_RUST_FRONTEND"] = "1"
+            cmd = [str(smg), "serve", self.model, "--data-parallel-size", str(RANKS)]
+            cmd += ["--data-parallel-size-local", "0", "--data-parallel-address", "127.0.0.1"]
+            cmd += ["--data-parallel-rpc-port", str(rpc), "--api-server-count", "1"]
+            cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+            cmd += ["--disable-uvicorn-access-log"]
         else:
             engines_url = f"ipc://{self.dir}/z"
             cmd = [python, "-m", "zmqdp", "serve", "--vllm", self.model, "--url", engines_url]
@@ -205,7 +233,7 @@ class Stack:
             stderr=subprocess.STDOUT,
         )
         fakes = [python, str(Path(__file__).resolve()), "fakes", engines_url, str(RANKS)]
-        fakes += [repr(step_time), str(self.stats_path)]
+        fakes += [repr(step_time), str(self.stats_path), version]
         self.procs["engines"] = subprocess.Popen(
             fakes,
             cwd=ROOT,
@@ -283,6 +311,10 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+            if name == "gateway":  # what it left (vllm serve's coordinator, vllm-rs...)
+                for pid in self.gateway_pids[1:]:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
         stats = self.engine_stats()
         shutil.rmtree(self.dir, ignore_errors=True)
         return stats
@@ -291,7 +323,9 @@ class Stack:
 # -- the fake engine process ------------------------------------------------------------
 
 
-def run_fakes(url: str, ranks: int, step_time: float, stats_path: str) -> None:
+def run_fakes(
+    url: str, ranks: int, step_time: float, stats_path: str, version: str = "0.33"
+) -> None:
     """`ranks` fake vLLM 0.33 engines of one group in this trio process, until SIGTERM;
     then write each rank's request count to `stats_path`."""
     import trio
@@ -316,7 +350,7 @@ def run_fakes(url: str, ranks: int, step_time: float, stats_path: str) -> None:
             return super()._stats()
 
     async def main() -> None:
-        group = FakeVllmGroup(url, ranks, step_delay=step_time, version="0.33")
+        group = FakeVllmGroup(url, ranks, step_delay=step_time, version=version)
         group.engines = [
             Engine(group, r, tokens_per_step=1, step_delay=step_time) for r in range(ranks)
         ]
@@ -346,7 +380,7 @@ def run_fakes(url: str, ranks: int, step_time: float, stats_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "fakes":
-        run_fakes(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
+    if len(sys.argv) in (6, 7) and sys.argv[1] == "fakes":
+        run_fakes(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), *sys.argv[5:])
     else:
-        raise SystemExit("usage: _smg.py fakes URL RANKS STEP_TIME STATS_PATH")
+        raise SystemExit("usage: _smg.py fakes URL RANKS STEP_TIME STATS_PATH [VERSION]")
