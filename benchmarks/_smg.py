@@ -17,7 +17,12 @@ A *stack* is one gateway and its engine group, each in a process of its own:
   ``smg::router``); its CPU is that process's, every thread, plus any descendant's;
 * zmqdp: ``python -m zmqdp serve --vllm MODEL --url ipc://DIR/z --engines 2`` (hypercorn
   on trio, or ``--server uvicorn``), exactly as a user runs it; the engines connect to
-  its ipc handshake, data sockets on ipc as SMG's.
+  its ipc handshake, data sockets on ipc as SMG's;
+* vLLM's own API server (kinds "vllm" and "vllmrs", bench_gateway.py's V and R rows):
+  ``vllm serve MODEL --data-parallel-size 2 --data-parallel-size-local 0 ...``, the Python
+  frontend or (``VLLM_USE_RUST_FRONTEND=1``) the Rust one, the engines headless on its
+  ``tcp://127.0.0.1:<--data-parallel-rpc-port>``; its CPU is every process below it
+  (_vllmfe.py).
 
 Both serve the model under its directory's path (each gateway's default) and tokenize
 and detokenize with its tokenizer.json: tests/data/tiny-model, its context raised to 4096
@@ -326,8 +331,8 @@ class Stack:
 def run_fakes(
     url: str, ranks: int, step_time: float, stats_path: str, version: str = "0.33"
 ) -> None:
-    """`ranks` fake vLLM 0.33 engines of one group in this trio process, until SIGTERM;
-    then write each rank's request count to `stats_path`."""
+    """`ranks` fake vLLM engines (playing `version`) of one group in this trio process,
+    until SIGTERM; then write each rank's request count to `stats_path`."""
     import trio
 
     sys.path.insert(0, str(ROOT))
