@@ -127,7 +127,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
@@ -1065,6 +1065,54 @@ def paired_figures(by_kind: dict[str, list[dict[str, Any]]]) -> dict[str, dict[s
     return out
 
 
+def print_paired(
+    results: dict[str, dict[int, dict[str, dict[str, float]]]],
+    kinds: Iterable[str],
+    base: str,
+    conc: Sequence[int],
+    modes: Sequence[str],
+    heading: str,
+    counted: Mapping[str, str],
+    legend: str,
+) -> None:
+    """The table of the S, V and R rows: every stack's figures, and its ratios to
+    `base`'s; `counted[kind]`: what its engine statistics line adds; `legend` explains
+    the ratio and the µs/token column."""
+    label = "÷" + ("SMG" if base == "smg" else base)
+    print(heading)
+    print(
+        f"{'gateway':8} {'c':>4} {'mode':5} {'n':>2} {'tok/s':>9} {'±%':>4} {label:>7}"
+        f" {'µs/token':>9} {label:>7} {'server%':>8} {'engines%':>9} {'loadgen%':>9}"
+        f" {'others%':>8} {'tok/write':>9}"
+    )
+    disturbed = 0
+    for c in conc:
+        for mode in modes:
+            b = results[base][c][mode]
+            for kind in kinds:
+                f = results[kind][c][mode]
+                print(
+                    f"{kind:8} {c:4} {mode:5} {abs(f['rounds']):2.0f} {f['tok_s']:9,.0f} "
+                    f"{f['spread_pct']:4.0f} {f['tok_s'] / b['tok_s']:7.3f} "
+                    f"{f['cpu_us']:9.1f} {f['cpu_us'] / b['cpu_us']:7.2f} "
+                    f"{f['cpu_pct']:8.0f} {f['mock_pct']:9.0f} {f['loadgen_pct']:9.0f} "
+                    f"{f['others_pct']:8.0f} {f['tok_write']:9.2f}"
+                )
+                disturbed += f["rounds"] < 0
+    for line in counted.values():
+        print(line)
+    print(
+        f"({label}: {legend}; server%, engines%, loadgen%: each process's CPU use in % of one "
+        "core; others%: the machine's busy time none of this benchmark's processes took; n: "
+        f"rounds kept, those in which others% ≤ {DISTURBED:g} for every gateway)"
+    )
+    if disturbed:
+        print(
+            f"WARNING: in {disturbed} figure(s) other work on this machine took more than "
+            f"{DISTURBED:g}% of a core in every round: those figures are disturbed"
+        )
+
+
 def smg_vs_zmqdp(args: argparse.Namespace) -> None:
     """The S rows: zmqdp's gateway ÷ SMG, each in front of twin fake vLLM engine groups
     (_smg.py), HTTP tokens/s and the gateway process's CPU per token."""
@@ -1102,42 +1150,21 @@ def smg_vs_zmqdp(args: argparse.Namespace) -> None:
         for mode in modes:
             for kind, f in paired_figures({k: runs[k][c][mode] for k in runs}).items():
                 results[kind].setdefault(c, {})[mode] = f
-    print(f"\n{engines}; medians of {args.rounds} round(s) of {args.window:g} s")
-    print(
-        f"{'gateway':8} {'c':>4} {'mode':5} {'n':>2} {'tok/s':>9} {'±%':>4} {'÷SMG':>6}"
-        f" {'µs/token':>9} {'÷SMG':>6} {'server%':>8} {'engines%':>9} {'loadgen%':>9}"
-        f" {'others%':>8} {'tok/write':>9}"
-    )
-    disturbed = 0
-    for c in conc:
-        for mode in modes:
-            base = results["smg"][c][mode]
-            for kind in stacks:
-                f = results[kind][c][mode]
-                print(
-                    f"{kind:8} {c:4} {mode:5} {abs(f['rounds']):2.0f} {f['tok_s']:9,.0f} "
-                    f"{f['spread_pct']:4.0f} {f['tok_s'] / base['tok_s']:6.3f} "
-                    f"{f['cpu_us']:9.1f} {f['cpu_us'] / base['cpu_us']:6.2f} "
-                    f"{f['cpu_pct']:8.0f} {f['mock_pct']:9.0f} {f['loadgen_pct']:9.0f} "
-                    f"{f['others_pct']:8.0f} {f['tok_write']:9.2f}"
-                )
-                disturbed += f["rounds"] < 0
-    for kind, st in engine_stats.items():
-        print(
-            f"({kind}: requests per rank {st.get('adds')}, most running at once "
+    print_paired(
+        results,
+        stacks,
+        "smg",
+        conc,
+        modes,
+        f"\n{engines}; medians of {args.rounds} round(s) of {args.window:g} s",
+        {
+            kind: f"({kind}: requests per rank {st.get('adds')}, most running at once "
             f"{st.get('most_running')})"
-        )
-    print(
-        "(÷SMG: zmqdp's figure ÷ SMG's; µs/token: the gateway process's CPU (every thread) "
-        "per token received; server%, engines%, loadgen%: each process's CPU use in % of one "
-        f"core; others%: the machine's busy time none of this benchmark's processes took; n: "
-        f"rounds kept, those in which others% ≤ {DISTURBED:g} for every gateway)"
+            for kind, st in engine_stats.items()
+        },
+        "zmqdp's figure ÷ SMG's; µs/token: the gateway process's CPU (every thread) per "
+        "token received",
     )
-    if disturbed:
-        print(
-            f"WARNING: in {disturbed} figure(s) other work on this machine took more than "
-            f"{DISTURBED:g}% of a core in every round: those figures are disturbed"
-        )
     rows = []
     for flavour in flavours:
         x = SUFFIX[flavour]
@@ -1254,42 +1281,21 @@ def vllm_vs_zmqdp(args: argparse.Namespace) -> None:
             for kind, f in paired_figures({k: runs[k][c][mode] for k in runs}).items():
                 results[kind].setdefault(c, {})[mode] = f
     base = fronts[0]  # the ratios' denominator in the table: vLLM's Python frontend if run
-    print(f"\n{engines}; medians of {args.rounds} round(s) of {args.window:g} s")
-    print(
-        f"{'gateway':8} {'c':>4} {'mode':5} {'n':>2} {'tok/s':>9} {'±%':>4} {'÷' + base:>7}"
-        f" {'µs/token':>9} {'÷' + base:>7} {'server%':>8} {'engines%':>9} {'loadgen%':>9}"
-        f" {'others%':>8} {'tok/write':>9}"
-    )
-    disturbed = 0
-    for c in conc:
-        for mode in modes:
-            b = results[base][c][mode]
-            for kind in stacks:
-                f = results[kind][c][mode]
-                print(
-                    f"{kind:8} {c:4} {mode:5} {abs(f['rounds']):2.0f} {f['tok_s']:9,.0f} "
-                    f"{f['spread_pct']:4.0f} {f['tok_s'] / b['tok_s']:7.3f} "
-                    f"{f['cpu_us']:9.1f} {f['cpu_us'] / b['cpu_us']:7.2f} "
-                    f"{f['cpu_pct']:8.0f} {f['mock_pct']:9.0f} {f['loadgen_pct']:9.0f} "
-                    f"{f['others_pct']:8.0f} {f['tok_write']:9.2f}"
-                )
-                disturbed += f["rounds"] < 0
-    for kind, st in engine_stats.items():
-        print(
-            f"({kind}: requests per rank {st.get('adds')}, most running at once "
+    print_paired(
+        results,
+        stacks,
+        base,
+        conc,
+        modes,
+        f"\n{engines}; medians of {args.rounds} round(s) of {args.window:g} s",
+        {
+            kind: f"({kind}: requests per rank {st.get('adds')}, most running at once "
             f"{st.get('most_running')}; processes counted: {len(stacks[kind].gateway_pids)})"
-        )
-    print(
-        f"(÷{base}: the figure ÷ {names[base]}'s; µs/token: the CPU (every thread) of every "
-        "process of the gateway per token received; server%, engines%, loadgen%: CPU use in % "
-        "of one core; others%: the machine's busy time none of this benchmark's processes "
-        f"took; n: rounds kept, those in which others% ≤ {DISTURBED:g} for every gateway)"
+            for kind, st in engine_stats.items()
+        },
+        f"the figure ÷ {names[base]}'s; µs/token: the CPU (every thread) of every process "
+        "of the gateway per token received",
     )
-    if disturbed:
-        print(
-            f"WARNING: in {disturbed} figure(s) other work on this machine took more than "
-            f"{DISTURBED:g}% of a core in every round: those figures are disturbed"
-        )
     rows = []
     for front in fronts:
         letter, label = ("V", "vLLM Python") if front == "vllm" else ("R", "vLLM Rust")
