@@ -1065,6 +1065,18 @@ def paired_figures(by_kind: dict[str, list[dict[str, Any]]]) -> dict[str, dict[s
     return out
 
 
+def paired_results(
+    runs: Mapping[str, Any], conc: Sequence[int], modes: Sequence[str]
+) -> dict[str, dict[int, dict[str, dict[str, float]]]]:
+    """Each stack's figures per concurrency and mode (`paired_figures` of each cell)."""
+    results: dict[str, dict[int, dict[str, dict[str, float]]]] = {k: {} for k in runs}
+    for c in conc:
+        for mode in modes:
+            for kind, f in paired_figures({k: runs[k][c][mode] for k in runs}).items():
+                results[kind].setdefault(c, {})[mode] = f
+    return results
+
+
 def print_paired(
     results: dict[str, dict[int, dict[str, dict[str, float]]]],
     kinds: Iterable[str],
@@ -1145,11 +1157,7 @@ def smg_vs_zmqdp(args: argparse.Namespace) -> None:
         for kind, stack in stacks.items():
             engine_stats[kind] = stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    results: dict[str, dict[int, dict[str, dict[str, float]]]] = {k: {} for k in runs}
-    for c in conc:
-        for mode in modes:
-            for kind, f in paired_figures({k: runs[k][c][mode] for k in runs}).items():
-                results[kind].setdefault(c, {})[mode] = f
+    results = paired_results(runs, conc, modes)
     print_paired(
         results,
         stacks,
@@ -1275,11 +1283,7 @@ def vllm_vs_zmqdp(args: argparse.Namespace) -> None:
         for kind, stack in stacks.items():
             engine_stats[kind] = stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    results: dict[str, dict[int, dict[str, dict[str, float]]]] = {k: {} for k in runs}
-    for c in conc:
-        for mode in modes:
-            for kind, f in paired_figures({k: runs[k][c][mode] for k in runs}).items():
-                results[kind].setdefault(c, {})[mode] = f
+    results = paired_results(runs, conc, modes)
     base = fronts[0]  # the ratios' denominator in the table: vLLM's Python frontend if run
     print_paired(
         results,
