@@ -75,3 +75,26 @@ def test_a_new_incarnation_up_before_the_judgement_ends_the_old_with_its_cause()
     assert "rank 0: dead: the engine process exited" in [m for _, _, m in fx.logs]
     core.on_deadline(1.1)  # the report names 7: the transport keeps 8's handshake
     assert core.is_up(0) and core.take_effects().forgets == [(0, True, 7)]
+
+
+def test_an_incarnation_whose_connection_closed_before_its_ready_never_comes_up() -> None:
+    """Its close is read before its READY (the monitor first): it must not serve, take
+    waiters or end a recovery for one pass (review of issue 33)."""
+    core = up_core()
+    core.on_rank_dead(0, "killed")
+    core.take_effects()
+    core.on_connection_lost(0, 8, "its connection closed", 1.0)
+    core.on_rank_up(RankUp(0, 8), 1.0)
+    fx = core.take_effects()
+    assert not core.is_up(0) and not fx.ranks
+    core.on_deadline(1.0)
+    assert not core.is_up(0) and core.take_effects().forgets == [(0, True, 8)]
+
+
+def test_a_closed_group_does_not_resync_a_restarted_engine() -> None:
+    core = up_core()
+    core.on_close("closed by the user")
+    core.take_effects()
+    core.on_connection_lost(0, 9, "its connection closed", 1.0)  # a restart said HELLO
+    core.on_deadline(1.0)
+    assert core.take_effects().forgets == [(0, False, 9)]

@@ -300,6 +300,10 @@ class GroupCore(BatchReader[H]):
             )
             if self.closed is not None and not self.recovering:
                 return
+        if any(r == rank and i == epoch for _, r, i, _ in self._losses):
+            # its connection closed before its READY was read: it is gone, not up (the
+            # judgement forgets its handshake by name)
+            return
         self.book.rank_up(rank)
         health = self.health[rank] = RankHealth(
             epoch=epoch,
@@ -764,7 +768,8 @@ class GroupCore(BatchReader[H]):
         self._losses = [loss for loss in self._losses if loss[0] > now]
         for _, rank, incarnation, cause in due:
             if self.health[rank].epoch != incarnation:  # it never came up: its handshake
-                self._fx.forget(rank, True, incarnation)
+                # starts over (RESYNCed only while the group serves or waits for it)
+                self._fx.forget(rank, self.closed is None or self.recovering, incarnation)
             elif self.is_up(rank):
                 self.on_rank_dead(rank, cause)
             # else its death was judged already, and its forget ordered then
