@@ -1423,7 +1423,7 @@ def plot_stacks() -> None:
         ax.set_xticks(range(len(groups)), [g.replace("non-streaming ", "") for g in groups])
         ax.set_ylabel("gateway CPU µs per token (every process)")
 
-    plot("gateway_cpu", draw, "Gateway CPU per token, fake vLLM engines")
+    plot("gateway_cpu", draw, "Gateway CPU per token, fake vLLM engines", legend_outside=True)
 
 
 def main() -> None:
