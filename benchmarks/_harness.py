@@ -113,8 +113,15 @@ def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> Non
         print(f"{r.key:4} {r.figure}: ratio {r.ratio:.3g} ({mark}); {r.context}")
 
 
-def plot(name: str, draw: Callable[[Any], None], title: str) -> Path | None:
-    """Draw with matplotlib (the `bench` extra) into `PLOTS/<name>.png` (`outputs()`)."""
+def plot(
+    name: str,
+    draw: Callable[[Any], None],
+    title: str,
+    size: tuple[float, float] = (6.4, 4.0),
+    legend_outside: bool = False,
+) -> Path | None:
+    """Draw with matplotlib (the `bench` extra) into `PLOTS/<name>.png` (`outputs()`);
+    `legend_outside`: the legend right of the axes (many series, or tall bars)."""
     try:
         import matplotlib
 
@@ -124,15 +131,18 @@ def plot(name: str, draw: Callable[[Any], None], title: str) -> Path | None:
         print(f"(no plot {name}.png: pip install 'zmqdp[bench]' for matplotlib)")
         return None
     PLOTS.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    fig, ax = plt.subplots(figsize=size, dpi=100)
     draw(ax)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend()
+        if legend_outside:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        else:
+            ax.legend()
     fig.tight_layout()
     path = PLOTS / f"{name}.png"
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight" if legend_outside else None)
     plt.close(fig)
     print(f"plot: {path}")
     return path

@@ -21,10 +21,14 @@ after the other in an order that rotates. The load generator is the one below, w
 same request for both (``/v1/completions``, ``max_tokens`` 64, ``stream_options.
 include_usage`` when streaming); it counts the tokens in the answers' texts (each of the
 fake's tokens detokenizes to " N") and checks every response had 64, and a usage saying
-64. Rows S32t/S256t (S32a/S256a for uvicorn): zmqdp ÷ SMG HTTP SSE tokens/s, target ≥ 1.0
-at c=256; S256tcpu/S256acpu: zmqdp ÷ SMG gateway-process CPU per token (every thread; for
-SMG, whose router is a Rust extension in the launcher's own process, that process and any
-descendant), target ≤ 2.0. The default step, 5 ms, is the one SMG was first measured
+64. Rows (t: hypercorn/trio, a: uvicorn/asyncio; j: non-streaming JSON, else SSE), with
+issue 34's targets: S256t/S256a and S256tj/S256aj: zmqdp ÷ SMG tokens/s, target ≥ 1.0
+(S32t, S32tj...: context); S256tcpu/S256acpu: zmqdp ÷ SMG gateway CPU per token, SSE,
+target ≤ 0.7, S32tcpu/S32acpu the same at c=32, target ≤ 1.25 (the cpuj rows, JSON:
+context). A gateway's CPU is its process's, every thread (for SMG, whose router is a Rust
+extension in the launcher's own process, that process and any descendant). Last, the
+gateway CPU per token of every stack of the S and V/R runs is drawn as bars
+(plots/gateway_cpu.png, `plot_stacks`). The default step, 5 ms, is the one SMG was first measured
 with: at c=256 the engines then step 256 requests every ~9 ms (the 5 ms and their own
 time), close to 30,000 tokens/s, for well under one core; a gateway keeps up with that
 on one core only below ~33 µs of CPU per token.
@@ -134,7 +138,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _harness import Row, median, save
+from _harness import RESULTS, Row, median, plot, save
 
 TOKENS = 64
 PROMPT = "Hello, zmqdp"
@@ -1175,46 +1179,9 @@ def smg_vs_zmqdp(args: argparse.Namespace) -> None:
     )
     rows = []
     for flavour in flavours:
-        x = SUFFIX[flavour]
         for c in conc:
-            z, s = results[flavour][c]["sse"], results["smg"][c]["sse"]
-            note = "; DISTURBED by other work" if min(z["rounds"], s["rounds"]) < 0 else ""
-            json_note = ""
-            if "json" in modes:
-                zj, sj = results[flavour][c]["json"], results["smg"][c]["json"]
-                json_note = (
-                    f"; non-streaming {zj['tok_s']:,.0f} vs {sj['tok_s']:,.0f} tok/s "
-                    f"(ratio {zj['tok_s'] / sj['tok_s']:.2f}), {zj['cpu_us']:.0f} vs "
-                    f"{sj['cpu_us']:.0f} µs/token (ratio {zj['cpu_us'] / sj['cpu_us']:.2f})"
-                )
-            context = (
-                f"{z['tok_s']:,.0f} vs {s['tok_s']:,.0f} tok/s; gateway CPU {z['cpu_us']:.0f} vs "
-                f"{s['cpu_us']:.0f} µs/token (ratio {z['cpu_us'] / s['cpu_us']:.2f}; server "
-                f"{z['cpu_pct']:.0f}% vs {s['cpu_pct']:.0f}% of a core){json_note}; {version}, "
-                f"{engines}{note}"
-            )
-            rows.append(
-                Row(
-                    f"S{c}{x}",
-                    f"zmqdp ÷ SMG, HTTP SSE tokens/s, c={c}, {FLAVOURS[flavour]}"
-                    + (" (context)" if c != 256 else ""),
-                    z["tok_s"] / s["tok_s"],
-                    "≥ 1.0" if c == 256 else "",
-                    context,
-                )
-            )
-            if c == 256:
-                rows.append(
-                    Row(
-                        f"S{c}{x}cpu",
-                        f"zmqdp ÷ SMG, gateway CPU µs per token, HTTP SSE, c={c}, "
-                        f"{FLAVOURS[flavour]}",
-                        z["cpu_us"] / s["cpu_us"],
-                        "≤ 2.0",
-                        f"{z['cpu_us']:.1f} vs {s['cpu_us']:.1f} µs/token at {z['tok_s']:,.0f} "
-                        f"vs {s['tok_s']:,.0f} tok/s{note}",
-                    )
-                )
+            for mode in modes:
+                rows += smg_rows(results, flavour, c, mode, f"{version}, {engines}")
     save(
         "gateway_smg",
         rows,
@@ -1232,6 +1199,49 @@ def smg_vs_zmqdp(args: argparse.Namespace) -> None:
             "runs": {k: {str(c): v for c, v in r.items()} for k, r in runs.items()},
         },
     )
+
+
+SMG_TARGETS = {  # (c, mode, figure) -> issue 34's target for zmqdp ÷ SMG; others: context
+    (256, "sse", "tok_s"): "≥ 1.0",
+    (256, "json", "tok_s"): "≥ 1.0",
+    (256, "sse", "cpu_us"): "≤ 0.7",
+    (32, "sse", "cpu_us"): "≤ 1.25",
+}
+
+
+def smg_rows(
+    results: dict[str, dict[int, dict[str, dict[str, float]]]],
+    flavour: str,
+    c: int,
+    mode: str,
+    about: str,
+) -> list[Row]:
+    """The S rows of one flavour, concurrency and mode: zmqdp ÷ SMG tokens/s (``S256t``,
+    ``S256tj`` for JSON) and gateway CPU per token (``S256tcpu``, ``S256tcpuj``), each
+    with issue 34's target (`SMG_TARGETS`) or none (context)."""
+    z, s = results[flavour][c][mode], results["smg"][c][mode]
+    note = "; DISTURBED by other work" if min(z["rounds"], s["rounds"]) < 0 else ""
+    j = "j" if mode == "json" else ""
+    rows = []
+    for figure, key, label in (
+        ("tok_s", f"S{c}{SUFFIX[flavour]}{j}", "tokens/s"),
+        ("cpu_us", f"S{c}{SUFFIX[flavour]}cpu{j}", "gateway CPU µs per token"),
+    ):
+        target = SMG_TARGETS.get((c, mode, figure), "")
+        rows.append(
+            Row(
+                key,
+                f"zmqdp ÷ SMG, {label}, {SMG_MODES[mode]}, c={c}, {FLAVOURS[flavour]}"
+                + ("" if target else " (context)"),
+                z[figure] / s[figure],
+                target,
+                f"{z['tok_s']:,.0f} vs {s['tok_s']:,.0f} tok/s; gateway CPU {z['cpu_us']:.1f} vs "
+                f"{s['cpu_us']:.1f} µs/token (server {z['cpu_pct']:.0f}% vs {s['cpu_pct']:.0f}% "
+                f"of a core, {z['tok_write']:.2f} vs {s['tok_write']:.2f} tokens per write); "
+                f"{about}{note}",
+            )
+        )
+    return rows
 
 
 # -- the V and R rows: zmqdp's gateway ÷ vLLM's own API server ----------------------------
@@ -1368,6 +1378,54 @@ def vllm_vs_zmqdp(args: argparse.Namespace) -> None:
     )
 
 
+STACK_LABELS = {
+    "trio": "zmqdp trio",
+    "asyncio": "zmqdp asyncio",
+    "smg": "SMG",
+    "vllm": "vLLM Python",
+    "vllmrs": "vLLM Rust",
+}
+
+
+def plot_stacks() -> None:
+    """plots/gateway_cpu.png: the gateway CPU µs per token of every stack (zmqdp's from
+    the S run, else the V/R run's; SMG; vLLM's frontends), at c=256 and c=32, SSE and
+    JSON, from the S and V/R runs' saved results (whichever exist)."""
+    figures: dict[str, dict[str, float]] = {}  # stack -> "c=256 SSE" -> µs/token
+    for name in ("gateway_vllmfe", "gateway_smg"):  # the S run's zmqdp last: it wins
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        for kind, by_c in json.loads(path.read_text())["extra"]["results"].items():
+            for c, by_mode in by_c.items():
+                for mode, f in by_mode.items():
+                    figures.setdefault(kind, {})[f"c={c} {SMG_MODES[mode]}"] = f["cpu_us"]
+    kinds = [k for k in STACK_LABELS if k in figures]
+    if not any(k not in FLAVOURS for k in kinds):
+        return  # no peer measured: nothing to compare
+    groups = [
+        g
+        for c in (256, 32)
+        for g in (f"c={c} {SMG_MODES['sse']}", f"c={c} {SMG_MODES['json']}")
+        if any(g in figures[k] for k in kinds)
+    ]
+
+    def draw(ax: Any) -> None:
+        width = 0.8 / len(kinds)
+        for i, kind in enumerate(kinds):
+            xs = [g + (i - (len(kinds) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(
+                xs,
+                [figures[kind].get(g, 0.0) for g in groups],
+                width,
+                label=STACK_LABELS[kind],
+            )
+        ax.set_xticks(range(len(groups)), [g.replace("non-streaming ", "") for g in groups])
+        ax.set_ylabel("gateway CPU µs per token (every process)")
+
+    plot("gateway_cpu", draw, "Gateway CPU per token, fake vLLM engines", legend_outside=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one short round (CI)")
@@ -1428,6 +1486,7 @@ def main() -> None:
         print("V and R rows skipped in --quick (run them with --vllm-only)")
     else:
         vllm_vs_zmqdp(args)
+    plot_stacks()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ SCRIPTS = [
     "bench_p6_selection.py",
     "bench_lat_delivery_latency.py",
     "bench_gateway.py",
+    "bench_breakdown.py",
     "bench_v1_vllm_delivery.py",
     "bench_vs_vllm.py",
     "bench_liveness.py",
@@ -46,9 +47,12 @@ SCRIPTS = [
 ORDER = ["P1a", "P1a'", "P1b", "P2", "P3", "P4", "P6", "lat", "P5", "P5ll", "P5u", "V1"]
 ORDER += ["P7a", "P7b", "P7cpu", "P7c"]  # bench_vs_vllm.py: zmqdp ÷ vLLM's own DP client
 ORDER += ["G32t", "G256t", "G32a", "G256a"]  # bench_gateway.py: HTTP ÷ direct (context)
-ORDER += ["S32t", "S256t", "S256tcpu", "S32a", "S256a", "S256acpu"]  # zmqdp gateway ÷ SMG
+# bench_gateway.py: zmqdp's gateway ÷ SMG (t: trio, a: asyncio; j: non-streaming JSON)
+ORDER += [f"S{c}{x}{f}{j}" for x in "ta" for c in (256, 32) for f in ("", "cpu") for j in ("", "j")]
 ORDER += ["V32t", "V256t", "V256tcpu", "V32a", "V256a", "V256acpu"]  # ÷ vLLM's Python frontend
 ORDER += ["R32t", "R256t", "R256tcpu", "R256tcpuj", "R32a", "R256a", "R256acpu", "R256acpuj"]
+# bench_breakdown.py: zmqdp serve's CPU µs per token (its table follows the rows)
+ORDER += [f"B{c}{x}{j}" for x in "ta" for c in (256, 32) for j in ("", "j")]
 # bench_liveness.py: death -> DOWN, max ÷ bound (native/vllm, kill/stop, idle/busy)
 ORDER += [f"L{w}{f}{load}" for w in "nv" for f in "ks" for load in "ib"]
 ISSUE = {  # the figure as the performance issue measured it on the main it was filed on
@@ -60,11 +64,19 @@ ISSUE = {  # the figure as the performance issue measured it on the main it was 
     "P6": "147 µs",
     "lat": "2.4",
     "P5": "0.87",
-    # issue 21 (zmqdp ÷ vLLM's DP client, measured by the issue's own harness):
-    "P7a": "0.55",
-    "P7b": "1.03",
-    "P7cpu": "1.81",
-    "P7c": "1.13-1.30",
+    # issue 34 (zmqdp ÷ vLLM's DP client: two runs on 362b651; issue 21 had filed P7a
+    # 0.55, P7b 1.03, P7cpu 1.81, P7c 1.13-1.30):
+    "P7a": "1.02-1.13",
+    "P7b": "1.04-1.35",
+    "P7cpu": "0.89-1.00",
+    "P7c": "1.59-2.02",
+    # issue 34: the gateway ÷ SMG (S), ÷ vLLM's Python frontend (V) and Rust one (R), and
+    # its CPU µs per token (B), measured with py-spy on main at 362b651
+    **{"S256t": "0.56", "S256tj": "0.64", "S256a": "0.82", "S256aj": "0.92"},
+    **{"S256tcpu": "2.17", "S256acpu": "1.49", "S32tcpu": "4.45", "S32acpu": "2.78"},
+    **{"V256t": "1.32", "V256a": "1.99", "V256tcpu": "0.74", "V256acpu": "0.49"},
+    **{"R256tcpu": "2.75", "R256acpu": "1.85", "R256tcpuj": "4.34", "R256acpuj": "2.57"},
+    **{"B256t": "48 µs", "B256a": "33 µs", "B32t": "141 µs", "B32a": "85 µs"},
     # issue 20: no DOWN 9 s after a kill -9 of an idle engine, 53 s after a SIGSTOP; a
     # busy one was seen after silence_timeout (30 s). As ratios to the bounds:
     **{f"L{w}ki": "> 9" for w in "nv"},
@@ -88,14 +100,19 @@ def run(quick: bool) -> list[str]:
 
 def table(quick: bool, out: Path) -> str:
     rows = {}
+    sections = []  # a script's own table (its saved "markdown"), after the rows
     for path in sorted(RESULTS.glob("*.json")):
-        for row in json.loads(path.read_text())["rows"]:
+        data = json.loads(path.read_text())
+        for row in data["rows"]:
             rows[row["key"]] = row
+        if data.get("extra", {}).get("markdown"):
+            sections.append(data["extra"]["markdown"])
     lines = [
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, "
         f"{'quick runs (noisy)' if quick else 'full runs'}, with "
         "`python benchmarks/run_all.py`. Each ratio is against a baseline run in the same "
-        "process (interleaved rounds, medians); P4 and P6 are absolute.",
+        "process (interleaved rounds, medians); P4, P6 and the B rows (µs) are absolute. "
+        "`at issue`: the figure when its issue was filed (issue 34's for P7, S, V, R, B).",
         "",
         "| row | figure | ratio | target | met | at issue | absolute numbers |",
         "|---|---|---|---|---|---|---|",
@@ -111,6 +128,8 @@ def table(quick: bool, out: Path) -> str:
             f"{'' if met is None else 'yes' if met else 'no'} | {ISSUE.get(key, '')} | "
             f"{r['context']} |"
         )
+    for section in sections:
+        lines += ["", section]
     plots = sorted(PLOTS.glob("*.png"))
     links = [f"[{p.name}]({Path(os.path.relpath(p, out.parent)).as_posix()})" for p in plots]
     lines += ["", "Plots: " + ", ".join(links), ""]
