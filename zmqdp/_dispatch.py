@@ -16,7 +16,9 @@ One loop, one pass per drained batch of up to 256 messages:
    `DRAIN_BEFORE_JUDGING` batches: the heartbeats that arrived while this task was held
    up), then judge at the time of judging (`GroupCore.on_deadline`);
 4. `GroupCore.end_pass` (one WAKE answers every `start_wave` of the pass), carry out
-   what is left, and wake each stream the pass fed once, not once per output.
+   what is left, release the outputs held by a stream interval whose time came
+   (`ConnectOptions.stream_max_delay`; the park of step 1 also ends then), and wake each
+   stream the pass fed once, not once per output.
 
 Steps 2 to 4 run with the cyclic garbage collector paused (`_core.cbor.gc_paused`,
 which restores whatever state the application left it in). A pass makes about four
@@ -73,11 +75,17 @@ class Dispatcher:
     (`EngineGroup._apply`), adding the streams it fed to the set it is given."""
 
     def __init__(
-        self, core: GroupCore[RequestStream], output: ZSocket | ZSocketSet, apply: Apply
+        self,
+        core: GroupCore[RequestStream],
+        output: ZSocket | ZSocketSet,
+        apply: Apply,
+        holding: dict[RequestStream, float] | None = None,
     ) -> None:
         self._core = core
         self._output = output
         self._apply = apply
+        self._holding: dict[RequestStream, float] = {} if holding is None else holding
+        """The carrier's streams holding outputs -> their release times, in order."""
         self._timer: trio.CancelScope | None = None  # the wait, while parked
 
     def move_deadline(self, when: float) -> None:
@@ -96,7 +104,10 @@ class Dispatcher:
             if core.has_work():
                 messages = zs.receive_nowait(256)
             else:
+                holding = self._holding
                 deadline = min(core.next_deadline(), trio.current_time() + 1.0)
+                if holding:
+                    deadline = min(deadline, next(iter(holding.values())))
                 with trio.move_on_at(deadline) as timer:
                     self._timer = timer
                     try:
@@ -105,6 +116,9 @@ class Dispatcher:
                         self._timer = None
                 if timer.cancelled_caught:
                     messages = zs.receive_nowait(256)
+                    if not messages and holding and core.next_deadline() > trio.current_time():
+                        self._carry_out(set())  # only held outputs were due: release them
+                        continue
                     if not messages and trio.current_time() - timer.deadline > HELD_UP:
                         with trio.move_on_after(HELD_UP):
                             messages = await zs.receive_batch(256)
@@ -134,6 +148,8 @@ class Dispatcher:
         core = self._core
         core.end_pass()
         self._apply(core.take_effects(), dirty)
+        if self._holding:
+            RequestStream.release_due(self._holding, trio.current_time(), dirty)
         for stream in dirty:
             stream.notify()
 

@@ -159,7 +159,8 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         self._ups: list[RankUp | None] = [None] * core.size
         """Per rank: what its latest incarnation that came up said in its handshake."""
         self._calls = PendingCalls(wire.new_call_id)
-        self._apply = Carrier(
+        self._stream_interval = options.stream_interval
+        carrier = Carrier(
             core,
             transport,
             self._calls,
@@ -168,8 +169,11 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
             self._waiters,
             self._after_endings,
             options.max_buffered,
-        ).apply
-        self._dispatcher = Dispatcher(core, transport.output, self._apply)
+            options.stream_interval,
+            options.stream_max_delay,
+        )
+        self._apply = carrier.apply
+        self._dispatcher = Dispatcher(core, transport.output, self._apply, carrier.holding)
 
     # -- connecting -------------------------------------------------------------------
 
@@ -322,6 +326,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         sub = self._core.submit(prepared.id, prepared.body, stream, prepared.rank, now, timeout)
         stream.rank = sub.rank
         stream.wire_id = sub.wire_id
+        stream._interval = self._stream_interval
         stream.submitted_at = now
         self._transport.send(sub.rank, sub.frames)
         if timeout is not None:
