@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.fakes.threaded import RUNNERS, EngineThread, Run, loop_runner, url_in
 from tests.fakes.threaded import wait_until as threaded_wait_until
-from zmqdp import EngineDead, Output, Request, RequestAborted, RequestStream
+from zmqdp import EngineDead, InvalidRequest, Output, Request, RequestAborted, RequestStream
 from zmqdp._core.requests import Outcome
 from zmqdp.aio import AsyncioEngineGroup
 
@@ -304,3 +304,31 @@ async def test_serve_stream_interval_reaches_the_group() -> None:
             answers.append(events)
     assert "".join(answers[0]) == "".join(answers[1]) and len(answers[0]) == 9
     assert len(answers[1]) <= 3  # the first token, then (at most) two writes of four
+
+
+async def test_one_request_has_its_own_interval_and_a_bad_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    """`Request.stream_interval` in a group of interval 1: that request's outputs are
+    held, another's are not; a non-positive interval is an `InvalidRequest` naming the
+    request, before anything is sent."""
+    with trio.fail_after(20):
+        async with group_of(tmp_path, 1, stream_max_delay=None) as (group, (engine,)):
+            with pytest.raises(InvalidRequest, match=r"'bad'.*stream_interval must be a pos"):
+                group.submit(Request("bad", {"hold": True}, stream_interval=0))
+            async with (
+                group.submit(Request("k", {"hold": True}, stream_interval=2)) as held,
+                group.submit(Request("one", {"hold": True})) as plain,
+            ):
+                await wait_until(lambda: engine.holds("k") and engine.holds("one"))
+                assert not engine.holds("bad")
+                seen: dict[str, list[list[Any]]] = {"k": [], "one": []}
+                for i in range(3):
+                    for stream in (held, plain):
+                        rid = stream.request_id
+                        await engine.emit((Output(engine.wire(rid), i),))
+                        await wait_until(
+                            lambda s=stream, n=i + 1: taken(s, seen[s.request_id]) == n
+                        )
+                        seen[rid].append([out.body for out in stream.drain_nowait()])
+                assert seen == {"k": [[0], [], [1, 2]], "one": [[0], [1], [2]]}

@@ -108,12 +108,14 @@ class Request:
     (docs/protocol.md §8) whose ADD fits the engine's `max_message_size`, `rank` an int to
     pin it (None: least-loaded), `timeout` its deadline in seconds from submit (None:
     the group's `request_timeout`): past it the request is aborted on its rank and its
-    stream raises `RequestTimeout`."""
+    stream raises `RequestTimeout`, `stream_interval` the group's
+    `ConnectOptions.stream_interval` for this request alone (None: the group's)."""
 
     id: str
     body: Any = None
     rank: int | None = None
     timeout: float | None = None
+    stream_interval: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
