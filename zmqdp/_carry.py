@@ -3,9 +3,9 @@
 The one place where the core's decisions turn into I/O and wake-ups: outputs into
 stream buffers (the hot loop, `RequestStream.deliver_all`, or `deliver_all_held` with a
 stream interval, whose held streams wait in `holding` for the dispatcher to release them
-when their time comes), streams finished, frames
-queued on the transport, calls settled, rank states and the wave clock published, lines
-logged, waiters failed or admitted. No decisions are taken here: a stream found full
+when their time comes), streams finished, frames queued on the transport, calls
+settled, rank states and the wave clock published, lines logged, waiters failed or
+admitted. No decisions are taken here: a stream found full
 goes back to the core as a fact (`GroupCore.on_overflow`), whose effects are carried
 out at once.
 """
@@ -62,14 +62,10 @@ class Carrier:
         self._logs = LogLimiter(log)
         self._firsts: list[RequestStream] = []  # streams given their first output
         self.interval = stream_interval
+        """1 while no stream has a stream interval (`deliver_all`), else `deliver_all_held`."""
         self._max_delay = math.inf if stream_max_delay is None else stream_max_delay
         self.holding: dict[RequestStream, float] = {}
         """Streams holding outputs (stream interval) -> when to release them, in order."""
-
-    def next_release(self) -> float:
-        """When the earliest held output must be released (inf: none is held)."""
-        holding = self.holding
-        return next(iter(holding.values())) if holding else math.inf
 
     def apply(self, fx: Effects[RequestStream], dirty: set[RequestStream] | None = None) -> None:
         """Carry out what the core decided, in the order of `Effects`' fields."""
