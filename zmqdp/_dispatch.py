@@ -31,7 +31,8 @@ collector runs once after the pass instead. Measured with benchmarks/bench_vs_vl
 `LET_CONSUMERS_TAKE` messages it stays paused for two scheduling rounds, in which the
 woken consumers take their outputs: those they drop are freed by refcount, so the
 collection that resuming triggers no longer walks (and promotes) a pass's worth of live
-outputs (P7a: the young collections' time / 3, client CPU per token -5 to -9 %, issue 34).
+outputs (P7a: the collections' time per round / 3, 2-6 ms of ~100 ms of the client's CPU,
+measured with gc.callbacks; issue 34).
 
 A timer that fires with nothing queued is judged only after a short grace if the task
 woke late (`HELD_UP`): libzmq's I/O thread may have been held up too, with heartbeats
