@@ -2,6 +2,7 @@
 fake vLLM engines.
 
     .venv/bin/python benchmarks/bench_vs_vllm.py [--quick] [--rounds 7] [--vllm-venv DIR]
+        [--before DIR] [--only P7a,P7b,P7c]
 
 Needs the vLLM venv (``.venv-vllm``, or ``--vllm-venv``/``ZMQDP_VLLM_VENV``); without it
 the script says how to make it (``python3 tools/realvllm/make_venv.py``), saves its rows
@@ -51,7 +52,10 @@ ratio zmqdp ÷ vLLM of the medians; absolute numbers are context. Rows:
   output's latency, then the median over rounds.
 
 `--quick` (the smoke test): smaller shapes and 2 rounds; starting vLLM's client (import
-and build) takes most of it.
+and build) takes most of it. `--before DIR` also runs the zmqdp client of another
+checkout (engines of its own, rounds interleaved with the other two) and prints its
+figures next to them: a change measured before and after in one run. `--only P7c` (or
+any of P7a,P7b,P7c) runs only those shapes, and prints without saving rows.
 """
 
 from __future__ import annotations
@@ -232,7 +236,8 @@ def measure(a: argparse.Namespace, python: Path) -> dict[str, Any]:
     (model / "config.json").write_text(json.dumps(MODEL_CONFIG))
     vport, zport = free_port(), free_port()
     vurl, zurl = f"tcp://127.0.0.1:{vport}", f"tcp://127.0.0.1:{zport}"
-    clocks = {side: SendClock(str(tmp / f"{side}.clock"), RANKS) for side in SIDES}
+    sides = (*SIDES, "before") if a.before else SIDES
+    clocks = {side: SendClock(str(tmp / f"{side}.clock"), RANKS) for side in sides}
     log_path = tmp / "clients.log"
     t0 = time.monotonic()
     with ExitStack() as stack:
@@ -252,6 +257,16 @@ def measure(a: argparse.Namespace, python: Path) -> dict[str, Any]:
             zcmd = [sys.executable, str(HERE / "_vs_vllm_zmqdp.py"), "--url", zurl]
             zcmd += ["--engines", str(RANKS)]
             zclient = stack.enter_context(client("zmqdp", zcmd, log))
+            clients = {"zmqdp": zclient, "vllm": vclient}
+            if a.before:  # the same client from another checkout, with engines of its own
+                burl = f"tcp://127.0.0.1:{free_port()}"
+                stack.enter_context(
+                    engine_process(vllm_group, burl, RANKS, 1, clocks["before"].path, play)
+                )
+                bscript = a.before.resolve() / "benchmarks" / "_vs_vllm_zmqdp.py"
+                bcmd = [sys.executable, str(bscript), "--url", burl, "--engines", str(RANKS)]
+                clients["before"] = stack.enter_context(client("before", bcmd, log))
+                clients["before"].expect("ready", 120)
             zready = zclient.expect("ready", 120)
             vready = vclient.expect("ready", 300)
             print(
@@ -259,15 +274,16 @@ def measure(a: argparse.Namespace, python: Path) -> dict[str, Any]:
                 f"{zready['build_s']} s (start-up {time.monotonic() - t0:.0f} s)",
                 flush=True,
             )
-            clients = {"zmqdp": zclient, "vllm": vclient}
             results: dict[str, Any] = {"vllm_version": version}
             k = 0
             for shape in shapes(a.quick, a.rounds):
+                if a.only and shape.key not in a.only:
+                    continue
                 for clock in clocks.values():
                     clock.configure(shape.requests // RANKS, shape.interval)
-                per: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+                per: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
                 for r in range(shape.rounds + 1):  # round 0: warm-up
-                    for side in SIDES:
+                    for side in sides:
                         k += 1
                         m = one_round(clients[side], clocks[side], shape, k)
                         if r:
@@ -292,10 +308,10 @@ def summary(shape: Shape, per: dict[str, list[dict[str, float]]]) -> str:
     if shape.interval:
         return "; ".join(
             f"{s} p50 {med(per, s, 'p50') * 1e6:.0f} µs p99 {med(per, s, 'p99') * 1e6:.0f} µs"
-            for s in SIDES
+            for s in per
         )
     parts = []
-    for s in SIDES:
+    for s in per:
         each = ", ".join(f"{m['rate']:,.0f}" for m in per[s])
         parts.append(
             f"{s} {med(per, s, 'rate'):,.0f} tokens/s (rounds {each}), "
@@ -373,6 +389,20 @@ def main() -> None:
         type=Path,
         default=Path(os.environ.get("ZMQDP_VLLM_VENV", ROOT / ".venv-vllm")),
     )
+    ap.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also run the zmqdp client of the checkout DIR, interleaved (printed, not saved)",
+    )
+    ap.add_argument(
+        "--only",
+        type=lambda text: set(text.split(",")),
+        default=None,
+        metavar="KEYS",
+        help="only these shapes (P7a,P7b,P7c; P7cpu is P7a's): printed, not saved",
+    )
     a = ap.parse_args()
     python = a.vllm_venv / "bin" / "python"
     if not python.exists():
@@ -383,6 +413,8 @@ def main() -> None:
         save("vs_vllm", skipped(a.vllm_venv), {"skipped": True})
         return
     results = measure(a, python)
+    if a.only:
+        return
     save("vs_vllm", rows(a, results), {**results, "quick": a.quick})
 
 

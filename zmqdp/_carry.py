@@ -1,9 +1,11 @@
 """Carrying out: `Carrier.apply` does what one `Effects` record says, in its order.
 
 The one place where the core's decisions turn into I/O and wake-ups: outputs into
-stream buffers (the hot loop, `RequestStream.deliver_all`), streams finished, frames
-queued on the transport, calls settled, rank states and the wave clock published, lines
-logged, waiters failed or admitted. No decisions are taken here: a stream found full
+stream buffers (the hot loop, `RequestStream.deliver_all`, or `deliver_all_held` with a
+stream interval, whose held streams wait in `holding` for the dispatcher to release them
+when their time comes), streams finished, frames queued on the transport, calls
+settled, rank states and the wave clock published, lines logged, waiters failed or
+admitted. No decisions are taken here: a stream found full
 goes back to the core as a fact (`GroupCore.on_overflow`), whose effects are carried
 out at once.
 """
@@ -11,6 +13,7 @@ out at once.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +48,8 @@ class Carrier:
         waiters: WaitQueue[Any],
         on_room: Callable[[], None],
         max_buffered: int | None,
+        stream_interval: int = 1,
+        stream_max_delay: float | None = None,
     ) -> None:
         self._core = core
         self._transport = transport
@@ -56,15 +61,26 @@ class Carrier:
         self._max_buffered = max_buffered
         self._logs = LogLimiter(log)
         self._firsts: list[RequestStream] = []  # streams given their first output
+        self.interval = stream_interval
+        """1 while no stream has a stream interval (`deliver_all`), else `deliver_all_held`."""
+        self._max_delay = math.inf if stream_max_delay is None else stream_max_delay
+        self.holding: dict[RequestStream, float] = {}
+        """Streams holding outputs (stream interval) -> when to release them, in order."""
 
     def apply(self, fx: Effects[RequestStream], dirty: set[RequestStream] | None = None) -> None:
         """Carry out what the core decided, in the order of `Effects`' fields."""
         core = self._core
         if fx.deliveries:
             firsts = self._firsts
-            full = RequestStream.deliver_all(
-                fx.deliveries, set() if dirty is None else dirty, firsts
-            )
+            if dirty is None:
+                dirty = set()
+            if self.interval == 1:
+                full = RequestStream.deliver_all(fx.deliveries, dirty, firsts)
+            else:
+                due = trio.current_time() + self._max_delay
+                full = RequestStream.deliver_all_held(
+                    fx.deliveries, dirty, firsts, self.holding, due
+                )
             if firsts:
                 now = trio.current_time()
                 for stream in firsts:
@@ -82,7 +98,9 @@ class Carrier:
             now = trio.current_time()
             for ended, error in fx.ended:
                 stream = ended.handle
-                stream.finish(ended.outcome, error)
+                stream.finish(ended.outcome, error)  # (releases what it held)
+                if self.holding:
+                    self.holding.pop(stream, None)
                 if ended.outcome is Outcome.FINISHED:
                     core.latency[stream.rank].observe(now - stream.submitted_at)
         transport = self._transport

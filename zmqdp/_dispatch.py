@@ -16,7 +16,9 @@ One loop, one pass per drained batch of up to 256 messages:
    `DRAIN_BEFORE_JUDGING` batches: the heartbeats that arrived while this task was held
    up), then judge at the time of judging (`GroupCore.on_deadline`);
 4. `GroupCore.end_pass` (one WAKE answers every `start_wave` of the pass), carry out
-   what is left, and wake each stream the pass fed once, not once per output.
+   what is left, release the outputs held by a stream interval whose time came
+   (`ConnectOptions.stream_max_delay`; the park of step 1 also ends then), and wake each
+   stream the pass fed once, not once per output.
 
 Steps 2 to 4 run with the cyclic garbage collector paused (`_core.cbor.gc_paused`,
 which restores whatever state the application left it in). A pass makes about four
@@ -25,7 +27,12 @@ none in a cycle, and tens of thousands of them per pass triggered collection aft
 collection of the young generation and, with it, of the older ones holding every live
 stream: 39 % of the client's CPU at 256 x 256 on vLLM's wire (issue 21). Paused, the
 collector runs once after the pass instead. Measured with benchmarks/bench_vs_vllm.py
-(P7a, zmqdp's tokens/s +30 %, CPU per token -25 %).
+(P7a, zmqdp's tokens/s +30 %, CPU per token -25 %). After a pass of at least
+`LET_CONSUMERS_TAKE` messages it stays paused for two scheduling rounds, in which the
+woken consumers take their outputs: those they drop are freed by refcount, so the
+collection that resuming triggers no longer walks (and promotes) a pass's worth of live
+outputs (P7a: the collections' time per round / 3, 2-6 ms of ~100 ms of the client's CPU,
+measured with gc.callbacks; issue 34).
 
 A timer that fires with nothing queued is judged only after a short grace if the task
 woke late (`HELD_UP`): libzmq's I/O thread may have been held up too, with heartbeats
@@ -63,6 +70,8 @@ HELD_UP = 0.05
 """Seconds: a dispatcher that wakes this late was held up."""
 DRAIN_BEFORE_JUDGING = 8
 """Batches of 256 messages read before a silence is judged inside a busy round."""
+LET_CONSUMERS_TAKE = 32
+"""Messages in a pass from which the collector stays paused until its consumers ran."""
 
 
 Apply = Callable[[Effects[RequestStream], set[RequestStream]], None]
@@ -73,11 +82,17 @@ class Dispatcher:
     (`EngineGroup._apply`), adding the streams it fed to the set it is given."""
 
     def __init__(
-        self, core: GroupCore[RequestStream], output: ZSocket | ZSocketSet, apply: Apply
+        self,
+        core: GroupCore[RequestStream],
+        output: ZSocket | ZSocketSet,
+        apply: Apply,
+        holding: dict[RequestStream, float] | None = None,
     ) -> None:
         self._core = core
         self._output = output
         self._apply = apply
+        self._holding: dict[RequestStream, float] = {} if holding is None else holding
+        """The carrier's streams holding outputs -> their release times, in order."""
         self._timer: trio.CancelScope | None = None  # the wait, while parked
 
     def move_deadline(self, when: float) -> None:
@@ -96,7 +111,10 @@ class Dispatcher:
             if core.has_work():
                 messages = zs.receive_nowait(256)
             else:
+                holding = self._holding
                 deadline = min(core.next_deadline(), trio.current_time() + 1.0)
+                if holding:
+                    deadline = min(deadline, next(iter(holding.values())))
                 with trio.move_on_at(deadline) as timer:
                     self._timer = timer
                     try:
@@ -105,6 +123,9 @@ class Dispatcher:
                         self._timer = None
                 if timer.cancelled_caught:
                     messages = zs.receive_nowait(256)
+                    if not messages and holding and core.next_deadline() > trio.current_time():
+                        self._carry_out(set())  # only held outputs were due: release them
+                        continue
                     if not messages and trio.current_time() - timer.deadline > HELD_UP:
                         with trio.move_on_after(HELD_UP):
                             messages = await zs.receive_batch(256)
@@ -127,6 +148,15 @@ class Dispatcher:
                 if trio.current_time() >= core.next_deadline():
                     self._judge_silence()
                 self._carry_out(dirty)
+                if len(messages) >= LET_CONSUMERS_TAKE:
+                    # The consumers take their outputs before the collector comes back:
+                    # outputs taken and dropped are freed by their refcount (each
+                    # lowers the young generation's count), so the collection that
+                    # re-enabling triggers does not walk and promote a pass's worth of
+                    # live outputs (two rounds: trio runs a batch in either order).
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    continue
             if core.has_work():
                 await trio.lowlevel.checkpoint()  # consumers and other tasks run
 
@@ -134,6 +164,8 @@ class Dispatcher:
         core = self._core
         core.end_pass()
         self._apply(core.take_effects(), dirty)
+        if self._holding:
+            RequestStream.release_due(self._holding, trio.current_time(), dirty)
         for stream in dirty:
             stream.notify()
 

@@ -33,8 +33,10 @@ A send that fails later is reported by the input task and declares the rank dead
 which ends its requests with `EngineDead`; nothing is ever silently dropped.
 
 Streams (`stream.py`). The dispatcher delivers outputs to a per-request buffer and wakes
-each consumer at most once per pass. A slow consumer only grows its own buffer. Leaving
-a stream's `async with` early aborts the request on its own rank, synchronously.
+each consumer at most once per pass (with a stream interval, once per k outputs:
+`ConnectOptions.stream_interval`, or `Request.stream_interval` for one request). A slow
+consumer only grows its own buffer. Leaving a stream's `async with` early aborts the
+request on its own rank, synchronously.
 
 Failure policy (§6, decided in the core). A dead rank's requests fail with
 `EngineDead(rank, cause)`. In an independent group the rank leaves selection and comes
@@ -65,6 +67,7 @@ from ._core.errors import (
     GroupClosed,
     GroupDraining,
     InvalidRank,
+    InvalidRequest,
 )
 from ._core.handshake import RankUp
 from ._core.state import GroupCore
@@ -159,7 +162,8 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         self._ups: list[RankUp | None] = [None] * core.size
         """Per rank: what its latest incarnation that came up said in its handshake."""
         self._calls = PendingCalls(wire.new_call_id)
-        self._apply = Carrier(
+        self._stream_interval = options.stream_interval
+        carrier = Carrier(
             core,
             transport,
             self._calls,
@@ -168,8 +172,12 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
             self._waiters,
             self._after_endings,
             options.max_buffered,
-        ).apply
-        self._dispatcher = Dispatcher(core, transport.output, self._apply)
+            options.stream_interval,
+            options.stream_max_delay,
+        )
+        self._carrier = carrier
+        self._apply = carrier.apply
+        self._dispatcher = Dispatcher(core, transport.output, self._apply, carrier.holding)
 
     # -- connecting -------------------------------------------------------------------
 
@@ -316,12 +324,22 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         """
         self._check_thread()
         prepared = self._wire.prepare(request, self._infos, time.time())
+        interval = getattr(request, "stream_interval", None)
+        if interval is None:
+            interval = self._stream_interval
+        elif type(interval) is not int or interval < 1:
+            raise InvalidRequest(
+                str(prepared.id), f"stream_interval must be a positive int, got {interval!r}"
+            )
+        elif interval > 1:
+            self._carrier.interval = interval  # (the carrier holds from now on)
         stream = self.stream_class._create(prepared.id, self._close_stream, self._max_buffered)
         timeout = prepared.timeout if prepared.timeout is not None else self._request_timeout
         now = trio.current_time()
         sub = self._core.submit(prepared.id, prepared.body, stream, prepared.rank, now, timeout)
         stream.rank = sub.rank
         stream.wire_id = sub.wire_id
+        stream._interval = interval
         stream.submitted_at = now
         self._transport.send(sub.rank, sub.frames)
         if timeout is not None:

@@ -58,6 +58,8 @@ class RequestStream(metaclass=NoPublicConstructor):
         "_buffer",
         "_done",
         "_error",
+        "_held",
+        "_interval",
         "_limit",
         "_on_close",
         "_thread",
@@ -93,6 +95,8 @@ class RequestStream(metaclass=NoPublicConstructor):
         # Made at the first output: an empty deque costs ~750 bytes, more than all the
         # rest of a request's state (benchmarks/bench_p4_memory.py).
         self._buffer: deque[Output] | None = None
+        self._interval = 1  # outputs per wake-up (the group's `stream_interval`)
+        self._held: list[Output] | None = None  # delivered, not yet released (interval)
         self._waiter: trio.lowlevel.Task | None = None
         self._done = False
         self._error: BaseException | None = None
@@ -120,13 +124,40 @@ class RequestStream(metaclass=NoPublicConstructor):
             trio.lowlevel.reschedule(waiter)
 
     def finish(self, outcome: Outcome, error: BaseException | None = None) -> None:
-        """The request ended (`error` is raised after the buffered outputs); idempotent."""
+        """The request ended (`error` is raised after the buffered outputs, the held ones
+        released first); idempotent."""
         if self._done:
             return
+        if self._held:
+            self.release()
         self._done = True
         self.outcome = outcome
         self._error = error
         self.notify()
+
+    def release(self) -> None:
+        """Move the held outputs to the buffer, in order (call `notify()` after)."""
+        held = self._held
+        if held:
+            buffer = self._buffer
+            assert buffer is not None  # made at the first output, which is never held
+            buffer.extend(held)
+            held.clear()
+
+    @staticmethod
+    def release_due(
+        holding: dict[RequestStream, float], now: float, dirty: set[RequestStream]
+    ) -> None:
+        """Release the held outputs of every stream in `holding` whose release time is
+        `now` or earlier (they are in due order), adding those streams to `dirty`."""
+        while holding:
+            stream, due = next(iter(holding.items()))
+            if due > now:
+                return
+            del holding[stream]
+            if stream._held:
+                stream.release()
+                dirty.add(stream)
 
     @classmethod
     def deliver_all(
@@ -157,6 +188,52 @@ class RequestStream(metaclass=NoPublicConstructor):
                 add(stream)
                 continue
             full.append(stream)
+        return full
+
+    @classmethod
+    def deliver_all_held(
+        cls,
+        deliveries: list[tuple[RequestStream, Output]],
+        dirty: set[RequestStream],
+        firsts: list[RequestStream],
+        holding: dict[RequestStream, float],
+        due: float,
+    ) -> list[RequestStream]:
+        """`deliver_all` for streams with a stream interval (module docstring): an output
+        that is neither the first nor terminal is held until `_interval` are; a stream
+        that starts holding is entered in `holding` with release time `due`. The held
+        outputs count against `max_buffered`."""
+        full = []
+        add = dirty.add
+        for stream, out in deliveries:
+            buffer = stream._buffer
+            held = stream._held
+            if buffer is None:  # the first output: at once
+                buffer = stream._buffer = deque()
+                firsts.append(stream)
+            elif len(buffer) + (len(held) if held else 0) >= stream._limit:
+                full.append(stream)
+                continue
+            elif out.finish is None and stream._interval > 1:
+                if held is None:
+                    held = stream._held = []
+                held.append(out)
+                if len(held) < stream._interval:
+                    if len(held) == 1:  # (re-entered: `holding` stays in due order)
+                        holding.pop(stream, None)
+                        holding[stream] = due
+                    continue
+                buffer.extend(held)
+                held.clear()
+                holding.pop(stream, None)
+                add(stream)
+                continue
+            elif held:  # the terminal output: the held ones first
+                buffer.extend(held)
+                held.clear()
+                holding.pop(stream, None)
+            buffer.append(out)
+            add(stream)
         return full
 
     # -- the consumer's side ----------------------------------------------------------

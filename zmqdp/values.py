@@ -108,12 +108,14 @@ class Request:
     (docs/protocol.md §8) whose ADD fits the engine's `max_message_size`, `rank` an int to
     pin it (None: least-loaded), `timeout` its deadline in seconds from submit (None:
     the group's `request_timeout`): past it the request is aborted on its rank and its
-    stream raises `RequestTimeout`."""
+    stream raises `RequestTimeout`, `stream_interval` the group's
+    `ConnectOptions.stream_interval` for this request alone (None: the group's)."""
 
     id: str
     body: Any = None
     rank: int | None = None
     timeout: float | None = None
+    stream_interval: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,12 +350,30 @@ class ConnectOptions:
     descriptor table full, which about a thousand connections do at the usual soft limit
     of 1,024 (`zmqdp.fdlimit`; the first connect logs what it did). False: leave the
     limit as the embedder set it."""
+    stream_interval: int = 1
+    """Outputs per wake-up of a stream's consumer (vLLM's ``--stream-interval``; an
+    output is one engine step's for the request: a token, or several when speculating).
+    1 (the default): every output is handed over as soon as it is read, which keeps
+    inter-token latency honest. k > 1: a request's first and terminal outputs, and its
+    end, are handed over at once; the outputs in between are held until k are waiting,
+    or `stream_max_delay` passed, then handed over together: the consumer wakes once
+    per k steps (a gateway writes once), for up to k - 1 steps of added latency.
+    Nothing is merged, reordered or dropped."""
+    stream_max_delay: float | None = 0.05
+    """Seconds: the longest an output is held by `stream_interval` (None: until k are
+    waiting or the request ends)."""
 
     def __post_init__(self) -> None:
         """Refuse what no group could use, before anything is bound."""
         mb = self.max_buffered
         if mb is not None and (type(mb) is not int or mb < 1):
             raise ValueError(f"max_buffered must be a positive int or None, got {mb!r}")
+        si = self.stream_interval
+        if type(si) is not int or si < 1:
+            raise ValueError(f"stream_interval must be a positive int, got {si!r}")
+        sd = self.stream_max_delay
+        if sd is not None and (type(sd) not in (int, float) or not 0 < sd < math.inf):
+            raise ValueError(f"stream_max_delay must be None or a positive number, got {sd!r}")
         mi = self.max_inflight
         if mi not in (None, "info") and (type(mi) is not int or mi < 1):
             raise ValueError(f"max_inflight must be a positive int, 'info' or None, got {mi!r}")

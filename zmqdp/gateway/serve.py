@@ -138,6 +138,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="outputs a stream holds for a client that does not read; past it the request "
         "is aborted (0: no limit)",
     )
+    group.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine steps per wake-up of a stream (vLLM's --stream-interval): the first "
+        "and last outputs go at once, the others in groups of N, held at most 50 ms "
+        "(default 1: every token as it comes, honest inter-token latency)",
+    )
     group.add_argument("--step-time", type=float, default=0.01, help="mock: seconds per step")
     group.add_argument("--max-num-seqs", type=int, default=16, help="mock: running per rank")
     group.add_argument("--lockstep", action="store_true", help="mock: a lockstep group")
@@ -229,6 +238,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         "max_inflight": _max_inflight(args.max_inflight),
         "request_timeout": args.request_timeout,
         "max_buffered": args.max_buffered or None,
+        "stream_interval": args.stream_interval,
         "insecure": args.insecure,
     }
     options["routing"] = args.routing

@@ -62,7 +62,7 @@ class VllmRequest:
     """One generation request. `id` as `zmqdp.Request.id`; `prompt_token_ids` the
     tokenized prompt (zmqdp has no tokenizer); `eos_token_id` the model's EOS token (the
     engine stops on it only if given; None: no EOS stop); `rank` pins it (vLLM's
-    `data_parallel_rank`); `timeout` as `zmqdp.Request.timeout`."""
+    `data_parallel_rank`); `timeout` and `stream_interval` as `zmqdp.Request`'s."""
 
     id: str
     prompt_token_ids: Sequence[int]
@@ -72,6 +72,7 @@ class VllmRequest:
     rank: int | None = None
     timeout: float | None = None
     cache_salt: str | None = None
+    stream_interval: int | None = None
 
 
 def request_wave(clock: WaveClock | None) -> int:
