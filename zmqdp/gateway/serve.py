@@ -49,7 +49,12 @@ from .app import (
     GatewayApp,
     create_app,
 )
-from .connections import ConnectionCap, install_hypercorn_cap, uvicorn_protocol
+from .connections import (
+    ConnectionCap,
+    install_hypercorn_cap,
+    install_hypercorn_writes,
+    uvicorn_protocol,
+)
 
 __all__ = ["add_arguments", "banner", "listen_problem", "run", "serve_hypercorn", "serve_uvicorn"]
 
@@ -326,6 +331,7 @@ async def serve_hypercorn(
     config.keep_alive_timeout = header_timeout
     cap = ConnectionCap(max_connections)
     install_hypercorn_cap(config, cap)
+    install_hypercorn_writes(config)
     stop = trio.Event()
     started = False
 

@@ -1,0 +1,207 @@
+"""What only hypercorn's trio worker does under zmqdp: the direct write path
+(`zmqdp.gateway.connections.install_hypercorn_writes`).
+
+A response write goes out as one non-blocking socket write when no other write waits
+for the socket, with no task step; what the socket cannot take at once goes hypercorn's
+way (its lock, a shielded `send_all`), and the bytes arrive whole and in order. A peer
+that resets the connection is reported to the app as `http.disconnect`, as hypercorn
+does. A server started with a config that did not ask for it keeps hypercorn's path.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import pytest
+
+pytest.importorskip("hypercorn", reason="needs the gateway extra: pip install 'zmqdp[gateway]'")
+
+import trio
+import trio.testing
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from zmqdp.gateway.connections import install_hypercorn_writes
+
+App = Callable[
+    [Mapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
+    Awaitable[None],
+]
+LIMIT = 10.0
+REQUEST = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts the steps of one task."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+@asynccontextmanager
+async def hypercorn_on(app: App, direct: bool) -> AsyncIterator[tuple[str, int]]:
+    """`app` on hypercorn's trio worker on 127.0.0.1, with the direct write path or
+    without; yields the address."""
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.graceful_timeout = 1.0
+    config.accesslog = None
+    if direct:
+        install_hypercorn_writes(config)
+
+    async def with_lifespan(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+        else:
+            await app(scope, receive, send)
+
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            partial(serve, with_lifespan, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        )  # type: ignore[arg-type]
+        host, port = binds[0].removeprefix("http://").rsplit(":", 1)
+        yield host, int(port)
+        stop.set()
+
+
+def sse_app(chunks: list[bytes], report: dict[str, Any]) -> App:
+    """Streams `chunks` as one chunked response, then an empty last write (hypercorn
+    readies the connection for its next request in it: steps of its own), counting its
+    own task's steps over the start and the chunks' writes (`report["steps"]`)."""
+
+    async def app(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        steps = TaskSteps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        report["steps"] = steps.steps
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
+
+
+async def read_response(stream: trio.SocketStream) -> tuple[bytes, bytes]:
+    """The head and the de-chunked body of one chunked response."""
+    buffer = b""
+    while b"\r\n\r\n" not in buffer:
+        buffer += await stream.receive_some()
+    head, _, buffer = buffer.partition(b"\r\n\r\n")
+    body = bytearray()
+    while True:
+        while b"\r\n" not in buffer:
+            buffer += await stream.receive_some()
+        size_line, _, buffer = buffer.partition(b"\r\n")
+        size = int(size_line, 16)
+        while len(buffer) < size + 2:
+            buffer += await stream.receive_some()
+        body += buffer[:size]
+        buffer = buffer[size + 2 :]
+        if size == 0:
+            return head, bytes(body)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "hypercorn"])
+async def test_a_write_takes_no_task_step_on_the_direct_path(direct: bool) -> None:
+    """100 writes that the socket takes at once: no step of the writing task on the
+    direct path (each used to cost two: hypercorn's send lock and the socket send both
+    checkpoint); the response arrives whole either way."""
+    chunks = [b"data: %d\n\n" % i for i in range(100)]
+    report: dict[str, Any] = {}
+    with trio.fail_after(LIMIT):
+        async with hypercorn_on(sse_app(chunks, report), direct) as address:
+            stream = await trio.open_tcp_stream(*address)
+            async with stream:
+                await stream.send_all(REQUEST)
+                head, body = await read_response(stream)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert body == b"".join(chunks)
+    if direct:
+        assert report["steps"] == 0
+    else:
+        assert report["steps"] >= 2 * len(chunks)
+
+
+async def connect_slow_reader(address: tuple[str, int]) -> trio.SocketStream:
+    """A connection whose receive buffer stays small (no autotuning): the server's
+    socket fills after a few MB."""
+    sock = trio.socket.socket()
+    sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 65536)
+    await sock.connect(address)
+    return trio.SocketStream(sock)
+
+
+async def test_writes_past_what_the_socket_takes_arrive_whole_and_in_order() -> None:
+    """The peer reads nothing until the app is blocked on a full socket (8 MB, past the
+    kernel's 4 MB send buffer): a write's rest goes hypercorn's way, the writes behind
+    it queue on its lock, and the bytes arrive whole and in order once the peer reads."""
+    chunks = [bytes([65 + i % 26]) * (50_000 + i) for i in range(170)]
+    report: dict[str, Any] = {}
+    with trio.fail_after(LIMIT):
+        async with (
+            hypercorn_on(sse_app(chunks, report), True) as address,
+            await connect_slow_reader(address) as stream,
+        ):
+            await stream.send_all(REQUEST)
+            await trio.testing.wait_all_tasks_blocked()  # the server's socket is full
+            head, body = await read_response(stream)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert len(body) == sum(map(len, chunks))
+    assert body == b"".join(chunks)
+    assert report["steps"] > 0  # it did wait for the socket
+
+
+async def test_a_reset_peer_is_an_http_disconnect_on_the_direct_path() -> None:
+    """The peer resets the connection while the app writes: the app hears
+    `http.disconnect` and its later writes are dropped without an error, as on
+    hypercorn's path."""
+    started, disconnected, done = trio.Event(), trio.Event(), trio.Event()
+    writes_after = 0
+
+    async def app(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        nonlocal writes_after
+        await receive()
+
+        async def watch() -> None:
+            if (await receive())["type"] == "http.disconnect":
+                disconnected.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            started.set()
+            while not disconnected.is_set():
+                await send({"type": "http.response.body", "body": b"x" * 4096, "more_body": True})
+                await trio.lowlevel.checkpoint()
+            for _ in range(3):
+                await send({"type": "http.response.body", "body": b"late", "more_body": True})
+                writes_after += 1
+        done.set()
+
+    with trio.fail_after(LIMIT):
+        async with hypercorn_on(app, True) as address:
+            stream = await trio.open_tcp_stream(*address)
+            await stream.send_all(REQUEST)
+            await started.wait()
+            linger = struct.pack("ii", 1, 0)  # close with a reset
+            stream.socket.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, linger)
+            await stream.aclose()
+            await done.wait()
+    assert writes_after == 3
