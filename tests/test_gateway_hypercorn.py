@@ -1,11 +1,15 @@
-"""What only hypercorn's trio worker does under zmqdp: the direct write path
-(`zmqdp.gateway.connections.install_hypercorn_writes`).
+"""What only hypercorn's trio worker does under zmqdp: its fast paths
+(`zmqdp.gateway.connections.install_hypercorn_fast_paths`), each against hypercorn's own.
 
-A response write goes out as one non-blocking socket write when no other write waits
-for the socket, with no task step; what the socket cannot take at once goes hypercorn's
-way (its lock, a shielded `send_all`), and the bytes arrive whole and in order. A peer
-that resets the connection is reported to the app as `http.disconnect`, as hypercorn
-does. A server started with a config that did not ask for it keeps hypercorn's path.
+* A response write goes out as one non-blocking socket write when no other write waits
+  for the socket, with no task step (hypercorn's: two per write); what the socket cannot
+  take at once goes hypercorn's way (its lock, a shielded `send_all`), and the bytes
+  arrive whole and in order. A peer that resets the connection is an `http.disconnect`
+  to the app, its later writes dropped, as on hypercorn's path.
+* The keep-alive timer is one task per connection: the same deadline (from the
+  connection's start and from each response, never during a request), the same close
+  of an idle connection when the server stops; and a connection its client closes
+  while idle ends at once (hypercorn's waited for its timer to fire).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -25,7 +30,11 @@ import trio.testing
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from zmqdp.gateway.connections import install_hypercorn_writes
+from zmqdp.gateway.connections import (
+    ConnectionCap,
+    install_hypercorn_cap,
+    install_hypercorn_fast_paths,
+)
 
 App = Callable[
     [Mapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
@@ -47,16 +56,28 @@ class TaskSteps(trio.abc.Instrument):
             self.steps += 1
 
 
+@dataclass
+class Served:
+    address: tuple[str, int]
+    stop: trio.Event
+    """Set: the server stops (hypercorn's `shutdown_trigger`)."""
+    cap: ConnectionCap
+    """Counts the open connections (no bound)."""
+
+
 @asynccontextmanager
-async def hypercorn_on(app: App, direct: bool) -> AsyncIterator[tuple[str, int]]:
-    """`app` on hypercorn's trio worker on 127.0.0.1, with the direct write path or
-    without; yields the address."""
+async def hypercorn_on(app: App, fast: bool, keep_alive: float = 30.0) -> AsyncIterator[Served]:
+    """`app` on hypercorn's trio worker on 127.0.0.1, with zmqdp's fast paths or without,
+    connections counted, a keep-alive timeout of `keep_alive` s."""
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 1.0
     config.accesslog = None
-    if direct:
-        install_hypercorn_writes(config)
+    config.keep_alive_timeout = keep_alive
+    cap = ConnectionCap(0)
+    install_hypercorn_cap(config, cap)
+    if fast:
+        install_hypercorn_fast_paths(config)
 
     async def with_lifespan(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -70,9 +91,9 @@ async def hypercorn_on(app: App, direct: bool) -> AsyncIterator[tuple[str, int]]
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
             partial(serve, with_lifespan, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
-        )  # type: ignore[arg-type]
+        )
         host, port = binds[0].removeprefix("http://").rsplit(":", 1)
-        yield host, int(port)
+        yield Served((host, int(port)), stop, cap)
         stop.set()
 
 
@@ -117,22 +138,22 @@ async def read_response(stream: trio.SocketStream) -> tuple[bytes, bytes]:
             return head, bytes(body)
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "hypercorn"])
-async def test_a_write_takes_no_task_step_on_the_direct_path(direct: bool) -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "hypercorn"])
+async def test_a_write_takes_no_task_step_on_the_direct_path(fast: bool) -> None:
     """100 writes that the socket takes at once: no step of the writing task on the
     direct path (each used to cost two: hypercorn's send lock and the socket send both
     checkpoint); the response arrives whole either way."""
     chunks = [b"data: %d\n\n" % i for i in range(100)]
     report: dict[str, Any] = {}
     with trio.fail_after(LIMIT):
-        async with hypercorn_on(sse_app(chunks, report), direct) as address:
-            stream = await trio.open_tcp_stream(*address)
+        async with hypercorn_on(sse_app(chunks, report), fast) as served:
+            stream = await trio.open_tcp_stream(*served.address)
             async with stream:
                 await stream.send_all(REQUEST)
                 head, body = await read_response(stream)
     assert head.startswith(b"HTTP/1.1 200 ")
     assert body == b"".join(chunks)
-    if direct:
+    if fast:
         assert report["steps"] == 0
     else:
         assert report["steps"] >= 2 * len(chunks)
@@ -155,8 +176,8 @@ async def test_writes_past_what_the_socket_takes_arrive_whole_and_in_order() -> 
     report: dict[str, Any] = {}
     with trio.fail_after(LIMIT):
         async with (
-            hypercorn_on(sse_app(chunks, report), True) as address,
-            await connect_slow_reader(address) as stream,
+            hypercorn_on(sse_app(chunks, report), True) as served,
+            await connect_slow_reader(served.address) as stream,
         ):
             await stream.send_all(REQUEST)
             await trio.testing.wait_all_tasks_blocked()  # the server's socket is full
@@ -196,8 +217,8 @@ async def test_a_reset_peer_is_an_http_disconnect_on_the_direct_path() -> None:
         done.set()
 
     with trio.fail_after(LIMIT):
-        async with hypercorn_on(app, True) as address:
-            stream = await trio.open_tcp_stream(*address)
+        async with hypercorn_on(app, True) as served:
+            stream = await trio.open_tcp_stream(*served.address)
             await stream.send_all(REQUEST)
             await started.wait()
             linger = struct.pack("ii", 1, 0)  # close with a reset
@@ -205,3 +226,86 @@ async def test_a_reset_peer_is_an_http_disconnect_on_the_direct_path() -> None:
             await stream.aclose()
             await done.wait()
     assert writes_after == 3
+
+
+def answer_app() -> App:
+    """Answers every request with a short whole response."""
+
+    async def app(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return app
+
+
+async def one_answer(stream: trio.SocketStream) -> None:
+    await stream.send_all(REQUEST)
+    data = b""
+    while not data.endswith(b"\r\n\r\nok"):
+        data += await stream.receive_some()
+    assert data.startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "hypercorn"])
+async def test_a_connection_its_client_closes_is_released_at_once(fast: bool) -> None:
+    """A keep-alive connection closed by its client after a response: with the fast
+    paths its task ends at once (the connection bound counts it out); hypercorn's kept
+    it until its keep-alive timer fired (30 s here)."""
+    with trio.fail_after(LIMIT):
+        async with hypercorn_on(answer_app(), fast) as served:
+            async with await trio.open_tcp_stream(*served.address) as stream:
+                await one_answer(stream)
+                await trio.testing.wait_all_tasks_blocked()  # idle: its timer runs
+                assert served.cap.open == 1
+            await trio.testing.wait_all_tasks_blocked()
+            assert served.cap.open == (0 if fast else 1)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "hypercorn"])
+async def test_an_idle_connection_is_closed_at_its_keep_alive_deadline_not_during_a_request(
+    fast: bool,
+) -> None:
+    """The deadline runs from the connection's start and from each response, not while
+    a request is in progress: a connection that sends no head is closed after it; one
+    whose response takes 3 deadlines gets it whole, then is closed after one more."""
+    release = trio.Event()
+
+    async def slow(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await release.wait()
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with trio.fail_after(LIMIT):
+        async with hypercorn_on(slow, fast, keep_alive=0.2) as served:
+            async with await trio.open_tcp_stream(*served.address) as silent:
+                start = trio.current_time()
+                assert await silent.receive_some() == b""
+                assert trio.current_time() - start >= 0.2
+            async with await trio.open_tcp_stream(*served.address) as stream:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(one_answer, stream)
+                    await trio.sleep(0.6)  # the request outlasts 3 deadlines
+                    release.set()
+                answered = trio.current_time()
+                assert await stream.receive_some() == b""
+                assert trio.current_time() - answered >= 0.2
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "hypercorn"])
+async def test_a_stopping_server_closes_an_idle_connection_at_once(fast: bool) -> None:
+    """hypercorn's shutdown closes an idle keep-alive connection at once, not at its
+    keep-alive deadline (30 s here)."""
+    with trio.fail_after(LIMIT):
+        async with (
+            hypercorn_on(answer_app(), fast) as served,
+            await trio.open_tcp_stream(*served.address) as stream,
+        ):
+            await one_answer(stream)
+            await trio.testing.wait_all_tasks_blocked()  # idle: its timer runs
+            served.stop.set()
+            with trio.fail_after(2):
+                assert await stream.receive_some() == b""

@@ -19,10 +19,13 @@ never completes a request never reaches the API key check. So:
   already runs until a request head is complete; uvicorn has no such deadline at all:
   `uvicorn_protocol` adds one).
 
-On hypercorn the same replaced connection class also writes a response's bytes with
-one non-blocking `os.write` while the socket takes them (`install_hypercorn_writes`):
-hypercorn's own path, a `trio.Lock` and a shielded `send_all` per chunk, costs two task
-steps per write, over a third of what an SSE write cost on trio.
+On hypercorn the same replaced connection class also has two cheaper paths
+(`install_hypercorn_fast_paths`, which `zmqdp serve` uses): a response's bytes go out
+with one non-blocking `os.write` while the socket takes them (hypercorn's own path, a
+`trio.Lock` and a shielded `send_all` per chunk, costs two task steps per write), and
+the keep-alive timer (the head deadline above) is one task per connection whose
+deadline moves, not a task started after every response. Together they halve the CPU
+an SSE write costs on trio.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -43,7 +47,7 @@ __all__ = [
     "ConnectionCap",
     "headroom",
     "install_hypercorn_cap",
-    "install_hypercorn_writes",
+    "install_hypercorn_fast_paths",
     "uvicorn_protocol",
 ]
 
@@ -163,7 +167,7 @@ class ConnectionCap:
 
 
 _CAP_ATTRIBUTE = "zmqdp_connection_cap"
-_WRITES_ATTRIBUTE = "zmqdp_direct_writes"
+_FAST_ATTRIBUTE = "zmqdp_fast_paths"
 
 
 def install_hypercorn_cap(config: Any, cap: ConnectionCap) -> None:
@@ -176,18 +180,80 @@ def install_hypercorn_cap(config: Any, cap: ConnectionCap) -> None:
     _install_tcp_server()
 
 
-def install_hypercorn_writes(config: Any) -> None:
-    """Give the connections of hypercorn's trio worker run with `config` the direct
-    write path (`protocol_send` below): a response write is one non-blocking socket
-    write, not hypercorn's lock and two trio checkpoints.
+def install_hypercorn_fast_paths(config: Any) -> None:
+    """Give the connections of hypercorn's trio worker run with `config` two cheaper
+    paths, the same behaviour: a response write is one non-blocking socket write when
+    the socket takes it (`ZmqdpTCPServer.protocol_send`), and the keep-alive timer is
+    one task per connection whose deadline moves (`_KeepAliveTimer`).
 
     Why: hypercorn writes every chunk under a `trio.Lock` and a shielded `send_all`,
-    each a checkpoint that reschedules the writing task, so a write cost two task steps
-    beyond the wake that produced it: at c=256 SSE about 45 of the 120 µs a write cost.
-    Same once-per-process subclass as `install_hypercorn_cap`; a server started with
-    another config keeps hypercorn's path."""
-    setattr(config, _WRITES_ATTRIBUTE, True)
+    each a checkpoint that reschedules the writing task: two task steps per write
+    beyond the wake that produced it, about 45 of the 120-150 µs an SSE write cost at
+    c=256. And it starts a task (and takes a lock) for its keep-alive timer after every
+    response, and cancels it (the lock again) at every request head. Same
+    once-per-process subclass as `install_hypercorn_cap`; a server started with another
+    config keeps hypercorn's paths."""
+    setattr(config, _FAST_ATTRIBUTE, True)
     _install_tcp_server()
+
+
+class _KeepAliveTimer:
+    """hypercorn's keep-alive timer (`TCPServer.idle_task` running `_idle_timeout`)
+    as one task for the connection's life. hypercorn's closes the connection once it
+    has been idle (no request in progress) for `keep_alive_timeout` s, from its start
+    or from its last response, or at once when the server stops while it is idle;
+    `restart` (idle from now) and `stop` (a request head came) move this one's
+    deadline instead of starting and cancelling a task. `end`: the connection is over
+    (its reader has returned), the task returns; hypercorn's kept the connection's
+    task alive until the timer fired, holding its descriptor that long."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+        self._deadline = math.inf
+        """Finite while idle: when the connection is closed."""
+        self._idle = trio.Event()
+        self._scope: trio.CancelScope | None = None
+        self._started = False
+        self._ended = False
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        self._deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        if self._scope is not None:
+            self._scope.deadline = self._deadline
+        self._idle.set()
+        if not self._started:
+            self._started = True
+            task_group.spawn(self._run)
+
+    async def stop(self) -> None:
+        self._deadline = math.inf
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    def end(self) -> None:
+        self._ended = True
+        if self._scope is not None:
+            self._scope.cancel()
+        self._idle.set()
+
+    async def _run(self) -> None:
+        terminated = self._server.context.terminated
+        while True:
+            await self._idle.wait()
+            if self._ended:
+                return
+            with trio.CancelScope(deadline=self._deadline) as self._scope:
+                await terminated.wait()
+            self._scope = None
+            if self._ended:
+                return
+            if self._deadline < math.inf:  # still idle: its time is up, or the server stops
+                break
+            # else a request came in the meantime: wait until the connection is idle again
+        with trio.CancelScope(shield=True):
+            await self._server._initiate_server_close()
 
 
 def _install_tcp_server() -> None:
@@ -206,11 +272,22 @@ def _install_tcp_server() -> None:
         _fd = -1
         """The socket written directly (`protocol_send`), or -1: hypercorn's path."""
 
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            if getattr(self.config, _FAST_ATTRIBUTE, False):
+                self.idle_task = _KeepAliveTimer(self)  # type: ignore[assignment] # same calls
+
+        async def _read_data(self) -> None:
+            await super()._read_data()
+            if isinstance(self.idle_task, _KeepAliveTimer):
+                self.idle_task.end()
+
         async def run(self) -> None:
             if (
-                getattr(self.config, _WRITES_ATTRIBUTE, False)
+                getattr(self.config, _FAST_ATTRIBUTE, False)
                 and os.name == "posix"
                 and isinstance(self.stream, trio.SocketStream)  # not TLS
+                and isinstance(getattr(self, "send_lock", None), trio.Lock)  # as hypercorn 0.18
             ):
                 self._fd = self.stream.socket.fileno()
             cap: ConnectionCap | None = getattr(self.config, _CAP_ATTRIBUTE, None)

@@ -52,7 +52,7 @@ from .app import (
 from .connections import (
     ConnectionCap,
     install_hypercorn_cap,
-    install_hypercorn_writes,
+    install_hypercorn_fast_paths,
     uvicorn_protocol,
 )
 
@@ -331,7 +331,7 @@ async def serve_hypercorn(
     config.keep_alive_timeout = header_timeout
     cap = ConnectionCap(max_connections)
     install_hypercorn_cap(config, cap)
-    install_hypercorn_writes(config)
+    install_hypercorn_fast_paths(config)
     stop = trio.Event()
     started = False
 
