@@ -6,6 +6,9 @@
   take at once goes hypercorn's way (its lock, a shielded `send_all`), and the bytes
   arrive whole and in order. A peer that resets the connection is an `http.disconnect`
   to the app, its later writes dropped, as on hypercorn's path.
+* A body part that is not the last goes past hypercorn's stream and h11, framed as the
+  chunk h11 would frame; every shape of response (chunked, content-length, HEAD, 204,
+  HTTP/1.0) is the same bytes as hypercorn sends.
 * The keep-alive timer is one task per connection: the same deadline (from the
   connection's start and from each response, never during a request), the same close
   of an idle connection when the server stops; and a connection its client closes
@@ -281,18 +284,18 @@ async def test_an_idle_connection_is_closed_at_its_keep_alive_deadline_not_durin
 
     with trio.fail_after(LIMIT):
         async with hypercorn_on(slow, fast, keep_alive=0.2) as served:
+            start = trio.current_time()  # (before the server can start its timer)
             async with await trio.open_tcp_stream(*served.address) as silent:
-                start = trio.current_time()
                 assert await silent.receive_some() == b""
                 assert trio.current_time() - start >= 0.2
             async with await trio.open_tcp_stream(*served.address) as stream:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(one_answer, stream)
                     await trio.sleep(0.6)  # the request outlasts 3 deadlines
+                    released = trio.current_time()  # (before the response is written)
                     release.set()
-                answered = trio.current_time()
                 assert await stream.receive_some() == b""
-                assert trio.current_time() - answered >= 0.2
+                assert trio.current_time() - released >= 0.2
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "hypercorn"])
@@ -309,3 +312,85 @@ async def test_a_stopping_server_closes_an_idle_connection_at_once(fast: bool) -
             served.stop.set()
             with trio.fail_after(2):
                 assert await stream.receive_some() == b""
+
+
+def shapes_app() -> App:
+    """Responses of several shapes, each body in several parts (empty ones, a
+    bytearray, a memoryview among them)."""
+    parts: list[Any] = [b"a", b"", bytearray(b"bc"), memoryview(b"def"), b"g"]
+
+    async def app(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        path = scope["path"]
+        status, headers = 200, [(b"x-shape", path.encode())]
+        if path == "/length":
+            headers.append((b"content-length", b"7"))
+        elif path == "/nothing":
+            status = 204
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        for i, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < 4})
+
+    return app
+
+
+async def raw_answer(address: tuple[str, int], request: bytes) -> bytes:
+    """All the server sends for `request` until it closes, its date header cut out."""
+    async with await trio.open_tcp_stream(*address) as stream:
+        await stream.send_all(request)
+        data = b""
+        while chunk := await stream.receive_some():
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"date:")]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        b"GET /chunked HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        b"HEAD /chunked HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        b"GET /length HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        b"GET /nothing HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        b"GET /chunked HTTP/1.0\r\n\r\n",
+    ],
+    ids=["chunked", "head", "content-length", "204", "http-1.0"],
+)
+async def test_the_fast_paths_send_the_bytes_hypercorn_sends(request_: bytes) -> None:
+    """Every shape of response, byte for byte the same with the fast paths as without
+    (the chunk short cut frames only what h11 would frame as a chunk)."""
+    answers = []
+    with trio.fail_after(LIMIT):
+        for fast in (True, False):
+            async with hypercorn_on(shapes_app(), fast) as served:
+                answers.append(await raw_answer(served.address, request_))
+    assert answers[0] == answers[1]
+    if request_.startswith(b"GET /chunked HTTP/1.1"):
+        assert answers[0].endswith(b"\r\n\r\n1\r\na\r\n2\r\nbc\r\n3\r\ndef\r\n1\r\ng\r\n0\r\n\r\n")
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "hypercorn"])
+async def test_a_chunk_goes_past_hypercorns_stream_and_h11(
+    fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the fast paths, a non-empty body part that is not the last reaches the
+    socket without `HTTPStream.app_send` (nor h11): only the start, the empty part and
+    the last part pass it."""
+    from hypercorn.protocol.http_stream import HTTPStream
+
+    seen: list[str] = []
+    app_send = HTTPStream.app_send
+
+    async def counted(self: HTTPStream, message: Any) -> None:
+        if message is not None:
+            seen.append(message["type"])
+        await app_send(self, message)
+
+    monkeypatch.setattr(HTTPStream, "app_send", counted)
+    request = b"GET /chunked HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    with trio.fail_after(LIMIT):
+        async with hypercorn_on(shapes_app(), fast) as served:
+            answer = await raw_answer(served.address, request)
+    assert answer.endswith(b"\r\n\r\n1\r\na\r\n2\r\nbc\r\n3\r\ndef\r\n1\r\ng\r\n0\r\n\r\n")
+    assert len(seen) == (3 if fast else 6)
