@@ -9,6 +9,8 @@
 * A body part that is not the last goes past hypercorn's stream and h11, framed as the
   chunk h11 would frame; every shape of response (chunked, content-length, HEAD, 204,
   HTTP/1.0) is the same bytes as hypercorn sends.
+* An answer that ends before the request body is read keeps the connection, as on
+  hypercorn's path.
 * The keep-alive timer is one task per connection: the same deadline (from the
   connection's start and from each response, never during a request), the same close
   of an idle connection when the server stops; and a connection its client closes
@@ -394,3 +396,35 @@ async def test_a_chunk_goes_past_hypercorns_stream_and_h11(
             answer = await raw_answer(served.address, request)
     assert answer.endswith(b"\r\n\r\n1\r\na\r\n2\r\nbc\r\n3\r\ndef\r\n1\r\ng\r\n0\r\n\r\n")
     assert len(seen) == (3 if fast else 6)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "hypercorn"])
+async def test_an_answer_before_the_body_is_read_keeps_the_connection(fast: bool) -> None:
+    """An app that answers without reading the request body (as the gateway's 401
+    does), the body sent right after the head (as httpx does): the connection stays
+    open for the next request, 30 times over. hypercorn keeps it only if its reader has
+    taken in the whole request when the response ends, which its own path's task
+    switches nearly always allowed; fast writes alone did not (this failed at once
+    without `request_read`)."""
+
+    async def unread(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    head, body = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 14\r\n\r\n", b'{"prompt":"x"}'
+    with trio.fail_after(LIMIT):
+        async with (
+            hypercorn_on(unread, fast) as served,
+            await trio.open_tcp_stream(*served.address) as stream,
+        ):
+            for _ in range(30):
+                await stream.send_all(head)  # as httpx sends them: two writes
+                await stream.send_all(body)
+                data = b""
+                while not data.endswith(b"\r\n\r\nno"):
+                    chunk = await stream.receive_some()
+                    assert chunk, "the server closed the connection"
+                    data += chunk
+                assert data.startswith(b"HTTP/1.1 401 ")
+                assert b"connection: close" not in data.lower()

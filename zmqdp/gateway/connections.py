@@ -40,7 +40,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -215,8 +215,9 @@ class _KeepAliveTimer:
     def __init__(self, server: Any) -> None:
         self._server = server
         self._deadline = math.inf
-        """Finite while idle: when the connection is closed."""
+        """While idle: when the connection is closed."""
         self._idle = trio.Event()
+        """Set while the connection is idle (`restart`), a new one at `stop`."""
         self._scope: trio.CancelScope | None = None
         self._started = False
         self._ended = False
@@ -254,7 +255,7 @@ class _KeepAliveTimer:
             self._scope = None
             if self._ended:
                 return
-            if self._deadline < math.inf:  # still idle: its time is up, or the server stops
+            if self._idle.is_set():  # still idle: its time is up, or the server stops
                 break
             # else a request came in the meantime: wait until the connection is idle again
         with trio.CancelScope(shield=True):
@@ -272,22 +273,24 @@ def _install_tcp_server() -> None:
     if current is not TCPServer:  # pragma: no cover - a hypercorn we do not know
         raise RuntimeError("hypercorn.trio.run.TCPServer is not hypercorn's: cannot replace it")
 
-    chunk_of = _chunk_framer(RawData)
+    framer = _chunk_framer(RawData)
 
     class ZmqdpTCPServer(TCPServer):
         zmqdp_capped = True
         _fd = -1
         """The socket written directly (`protocol_send`), or -1: hypercorn's path."""
 
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
             if getattr(self.config, _FAST_ATTRIBUTE, False):
                 self.idle_task = _KeepAliveTimer(self)  # type: ignore[assignment] # same calls
 
         async def _read_data(self) -> None:
-            await super()._read_data()
-            if isinstance(self.idle_task, _KeepAliveTimer):
-                self.idle_task.end()
+            try:
+                await super()._read_data()
+            finally:
+                if isinstance(self.idle_task, _KeepAliveTimer):
+                    self.idle_task.end()
 
         async def run(self) -> None:
             if (
@@ -297,8 +300,8 @@ def _install_tcp_server() -> None:
                 and isinstance(getattr(self, "send_lock", None), trio.Lock)  # as hypercorn 0.18
             ):
                 self._fd = self.stream.socket.fileno()
-                if chunk_of is not None:
-                    self.app = _ChunkedBodies(self.app, self, chunk_of)
+                if framer is not None:
+                    self.app = _ChunkedBodies(self.app, self, framer)
             cap: ConnectionCap | None = getattr(self.config, _CAP_ATTRIBUTE, None)
             if cap is None:
                 await super().run()
@@ -339,11 +342,24 @@ def _install_tcp_server() -> None:
     setattr(hypercorn_run, "TCPServer", ZmqdpTCPServer)  # noqa: B010 - not exported
 
 
-def _chunk_framer(raw_data: Any) -> Callable[[Any, bytes], Any] | None:
+class _Framer:
+    """What `_ChunkedBodies` reads of hypercorn's HTTP/1.1 state (`_chunk_framer`)."""
+
+    def __init__(
+        self,
+        chunk_of: Callable[[Any, bytes], Any],
+        request_read: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        self.chunk_of = chunk_of
+        self.request_read = request_read
+
+
+def _chunk_framer(raw_data: Any) -> _Framer | None:
     """`chunk_of(server, body)`: the `RawData` that carries `body` as one chunk of the
     response in progress on `server`'s HTTP/1.1 connection when hypercorn would frame it
     exactly so (an h11 connection sending a chunked body, its ASGI stream in its
-    response), else None. None if this hypercorn or h11 is not one it knows (0.18, 0.16)."""
+    response), else None. `request_read(server)`: see `_ChunkedBodies`. None if this
+    hypercorn or h11 is not one it knows (0.18, 0.16)."""
     try:
         import h11
         from h11._writers import ChunkedWriter
@@ -368,7 +384,15 @@ def _chunk_framer(raw_data: Any) -> Callable[[Any, bytes], Any] | None:
             return raw_data(data=b"%x\r\n%b\r\n" % (len(body), body))
         return None
 
-    return chunk_of
+    async def request_read(server: Any) -> None:
+        protocol = server.protocol.protocol
+        if type(protocol) is H11Protocol:
+            for _ in range(8):
+                if protocol.connection.their_state is not sending_body:
+                    return
+                await trio.lowlevel.cancel_shielded_checkpoint()
+
+    return _Framer(chunk_of, request_read)
 
 
 class _ChunkedBodies:
@@ -378,12 +402,23 @@ class _ChunkedBodies:
     (`Connection.send`, which only checks the state and frames the chunk) and two
     events to `protocol_send`, it goes to `protocol_send` framed, when `chunk_of` says
     hypercorn would frame it exactly so: h11's state is the same after it (a chunk
-    changes nothing in it). About 10 µs less per SSE write."""
+    changes nothing in it). About 10 µs less per SSE write.
 
-    def __init__(self, app: Any, server: Any, chunk_of: Callable[[Any, bytes], Any]) -> None:
+    And before a response's last message, `request_read`: hypercorn keeps a connection
+    open for the next request only if it has read the whole of this one when the
+    response ends (else it closes it, with no ``connection: close`` said). An app that
+    answers before reading the body (the gateway's 401) used to finish its response
+    only after about eight task switches, in which hypercorn's reader took in the body
+    that followed the head (httpx sends them in two writes); with writes that do not
+    switch it finished first, and a keep-alive client's next request met a closed
+    connection. So while the request is not read to its end, the last message waits
+    for up to eight switches (none once it is read, as for every completion). A body
+    that comes later than that closes the connection, as on hypercorn's own path."""
+
+    def __init__(self, app: Any, server: Any, framer: _Framer) -> None:
         self.app = app
         self.server = server
-        self.chunk_of = chunk_of
+        self.framer = framer
 
     async def __call__(
         self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any
@@ -391,14 +426,17 @@ class _ChunkedBodies:
         if scope["type"] != "http":
             await self.app(scope, receive, send, sync_spawn, call_soon)
             return
-        server, chunk_of = self.server, self.chunk_of
+        server, chunk_of, request_read = self.server, self.framer.chunk_of, self.framer.request_read
 
         async def send_chunk(message: Any) -> None:
-            if message["type"] == "http.response.body" and message.get("more_body"):
-                body = message.get("body")
-                if body and (event := chunk_of(server, body)) is not None:
-                    await server.protocol_send(event)
-                    return
+            if message["type"] == "http.response.body":
+                if message.get("more_body"):
+                    body = message.get("body")
+                    if body and (event := chunk_of(server, body)) is not None:
+                        await server.protocol_send(event)
+                        return
+                else:
+                    await request_read(server)
             await send(message)
 
         await self.app(scope, receive, send_chunk, sync_spawn, call_soon)
