@@ -39,6 +39,7 @@ from zmqdp import GroupStatistics
 from zmqdp._core.messages import Output
 from zmqdp.engine import Abort, Add
 from zmqdp.gateway import CompletionRequest, GatewayApp, Piece, Prepared, create_app
+from zmqdp.gateway.connections import install_hypercorn_fast_paths
 
 from .helpers import READY_TIMEOUT
 
@@ -156,6 +157,7 @@ async def serving(
         config = Config()
         config.bind = ["127.0.0.1:0"]
         config.graceful_timeout = 2.0
+        install_hypercorn_fast_paths(config)  # as `zmqdp serve` runs it
         for name, value in config_options.items():
             setattr(config, name, value)
         stop = trio.Event()

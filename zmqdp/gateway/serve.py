@@ -49,7 +49,12 @@ from .app import (
     GatewayApp,
     create_app,
 )
-from .connections import ConnectionCap, install_hypercorn_cap, uvicorn_protocol
+from .connections import (
+    ConnectionCap,
+    install_hypercorn_cap,
+    install_hypercorn_fast_paths,
+    uvicorn_protocol,
+)
 
 __all__ = ["add_arguments", "banner", "listen_problem", "run", "serve_hypercorn", "serve_uvicorn"]
 
@@ -336,6 +341,7 @@ async def serve_hypercorn(
     config.keep_alive_timeout = header_timeout
     cap = ConnectionCap(max_connections)
     install_hypercorn_cap(config, cap)
+    install_hypercorn_fast_paths(config)
     stop = trio.Event()
     started = False
 
