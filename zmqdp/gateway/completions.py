@@ -89,7 +89,7 @@ from .._core.errors import ZmqdpError
 from ..values import Request
 from .backends import Backend, EventLike, GroupLike, Stopper, StreamLike
 from .errors import HTTPError, http_error
-from .frontend import CompletionRequest, Frontend, Piece, Prepared, batch_decoder
+from .frontend import CompletionRequest, Frontend, Prepared, batch_decoder
 from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_disconnect
 from .metrics import HTTPCounters
 from .openai import (
@@ -588,37 +588,30 @@ class _Response:
         ).text
         receive = stream.receive_batch
         counters.prompt_tokens += prompt_tokens
-        if not exchange.started:
-            # the headers go out with the first batch's chunk (an error before it still
-            # gets its own status)
+        tokens = 0
+        finish: str | None = None
+        while finish is None:
             piece = decode(await receive())
-            await self._write(piece, encode(piece.text, piece.finish_reason), start=True)
-        while self.finish is None:
-            piece = decode(await receive())
-            await self._write(piece, encode(piece.text, piece.finish_reason))
-
-    async def _write(self, piece: Piece, data: bytes, *, start: bool = False) -> None:
-        """One streamed batch, counted: its SSE chunk, and after the last the usage
-        chunk (if asked for) and `[DONE]`."""
-        counters = self.counters
-        counters.completion_tokens += piece.tokens
-        self.tokens = tokens = self.tokens + piece.tokens
-        if not self.first and tokens:
-            self.first = time.perf_counter()
-        self.finish = finish = piece.finish_reason
-        if finish is not None:
-            if self.request.include_usage:
-                data += chunk(
-                    self.request_id,
-                    self.created,
-                    self.model,
-                    None,
-                    None,
-                    (self.prepared.prompt_tokens, tokens),
-                    kind="chat.completion.chunk" if self.request.chat else "text_completion",
-                )
-            data += DONE
-        exchange = self.exchange
-        if start:
-            await exchange.start(200, b"text/event-stream", SSE_HEADERS)
-        await exchange.body(data, more=finish is None)
+            counters.completion_tokens += piece.tokens
+            tokens += piece.tokens
+            if not self.first and tokens:
+                self.first = time.perf_counter()
+            self.tokens, self.finish = tokens, (finish := piece.finish_reason)
+            data = encode(piece.text, finish)
+            if finish is not None:
+                if self.request.include_usage:
+                    data += chunk(
+                        self.request_id,
+                        self.created,
+                        self.model,
+                        None,
+                        None,
+                        (prompt_tokens, tokens),
+                        kind="chat.completion.chunk" if self.request.chat else "text_completion",
+                    )
+                data += DONE
+            if not exchange.started:
+                # the headers go out with the first batch's chunk (an error before it
+                # still gets its own status)
+                await exchange.start(200, b"text/event-stream", SSE_HEADERS)
+            await exchange.body(data, more=finish is None)
