@@ -347,6 +347,7 @@ def test_stop_now_answers_live_requests_503_and_aborts_them(tmp_path: Path, serv
             assert late.status_code == 503
             await app.wait_drained()
             assert s.stats().aborted == 2
+            assert len(app._live) == 0  # the stop registry holds no ended response
 
     on_server(server, tmp_path, body, 2)
 

@@ -12,17 +12,21 @@ characters together.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+import trio
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from zmqdp._core.messages import Output
 from zmqdp.gateway import GatewayApp, VllmFrontend, create_app
+from zmqdp.gateway.completions import INLINE_PREPARE
+from zmqdp.gateway.frontend import Piece, decode_each
 from zmqdp.gateway.vllm_frontend import _Decoder
 from zmqdp.mock import MockConfig
 from zmqdp.vllm import VllmOutput
@@ -39,6 +43,11 @@ MODEL = Path(__file__).parent / "data" / "tiny-model"
 
 def frontend() -> VllmFrontend:
     return VllmFrontend(MODEL)
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    return frontend().model.tokenizer
 
 
 def text_of(ids: list[int]) -> str:
@@ -188,6 +197,149 @@ def test_stop_strings_end_the_text_at_their_first_occurrence(text: str, stop: st
         assert (out_text, finish) == (text, "length")
 
 
+def _split(items: list[Any], cuts: list[int]) -> list[list[Any]]:
+    bounds = sorted({min(c, len(items)) for c in cuts} | {0, len(items)})
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _batches_match(
+    make: Any,
+    ids: list[int],
+    output_cuts: list[int],
+    batch_cuts: list[int],
+    stops: tuple[str, ...],
+    min_tokens: int,
+    empty: int,
+) -> None:
+    """Batch decoding (`make(...)`'s `batch`) gives, for every delivery, the piece that
+    per-output decoding (`_Decoder.decode`) joins for it (`decode_each`): the same text,
+    tokens and finish, and ends at the same delivery."""
+    tokenizer = _tokenizer()
+    chunks = _split(ids, output_cuts)
+    chunks.insert(min(empty, len(chunks)), [])  # an output without token ids
+    outputs = [
+        Output("r", VllmOutput(c), "length" if i == len(chunks) - 1 else None)
+        for i, c in enumerate(chunks)
+    ]
+    per_output = _Decoder(tokenizer, stops, [91], min_tokens)
+    batched = make(tokenizer, stops, [91], min_tokens)
+    for delivery in _split(outputs, batch_cuts):
+        want = decode_each(per_output.decode, delivery)
+        assert batched.batch(delivery) == want
+        if want.finish_reason is not None:
+            break
+
+
+_IDS = st.one_of(
+    st.lists(st.integers(0, 869), min_size=1, max_size=40),  # any: bytes, specials
+    st.text(alphabet=st.sampled_from("ab st{}0é🙂"), min_size=1, max_size=30).map(
+        lambda text: _tokenizer().encode(text, add_special_tokens=False).ids
+    ),
+)
+_CUTS = st.lists(st.integers(0, 40), max_size=12)
+
+
+@st.composite
+def _stops_in(draw: Any, ids: list[int]) -> tuple[str, ...]:
+    """Up to two stop strings, mostly pieces of the ids' own text (so that they hit)."""
+    text = _tokenizer().decode(ids, skip_special_tokens=True)
+    stops = []
+    for _ in range(draw(st.integers(0, 2))):
+        if text and draw(st.booleans()):
+            start = draw(st.integers(0, len(text) - 1))
+            stops.append(text[start : start + draw(st.integers(1, 3))])
+        else:
+            stops.append(
+                draw(st.text(alphabet=st.sampled_from("ab st{}0é"), min_size=1, max_size=3))
+            )
+    return tuple(stops)
+
+
+_CASE = _IDS.flatmap(lambda ids: st.tuples(st.just(ids), _stops_in(ids)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_CASE, _CUTS, _CUTS, st.integers(0, 8), st.integers(0, 40))
+def test_batch_decoding_equals_decoding_each_output(
+    case: tuple[list[int], tuple[str, ...]],
+    output_cuts: list[int],
+    batch_cuts: list[int],
+    min_tokens: int,
+    empty: int,
+) -> None:
+    """Any token ids (byte tokens and special ones included), split into outputs at
+    random, the outputs into deliveries at random: one `batch` call per delivery equals
+    `decode` per output joined, stop strings, `min_tokens` and held text included."""
+    ids, stops = case
+    _batches_match(_Decoder, ids, output_cuts, batch_cuts, stops, min_tokens, empty)
+
+
+class _ListStep(_Decoder):
+    """A broken batch decoder: `DecodeStream.step` given a delivery's ids as one list
+    (tokenizers takes one), which holds back text that stepping id by id gives out."""
+
+    __slots__ = ()
+
+    def batch(self, outputs: Any) -> Any:
+        if self._stops:
+            return super().batch(outputs)
+        ids = [t for out in outputs for t in out.body.token_ids]
+        text = self._step(self._tokenizer, ids) if ids else None
+        finish = next((o.finish for o in outputs if o.finish is not None), None)
+        return Piece(text or "", len(ids), finish)
+
+
+class _StopsOnceADelivery(_Decoder):
+    """A broken batch decoder: stop strings looked for once in the delivery's text, not
+    output by output (text given out while `min_tokens` ran is searched too)."""
+
+    __slots__ = ()
+
+    def batch(self, outputs: Any) -> Any:
+        if not self._stops:
+            return super().batch(outputs)
+        parts, tokens = [], 0
+        for out in outputs:
+            for t in out.body.token_ids:
+                parts.append(self._step(self._tokenizer, t) or "")
+            tokens += len(out.body.token_ids)
+            if out.finish is not None:
+                break
+        held = self._held + "".join(parts)
+        self._before -= tokens
+        cuts = [i for s in self._stops if (i := held.find(s)) >= 0] if self._before <= 0 else []
+        ended = out.finish is not None
+        if cuts:
+            self._held = ""
+            return Piece(held[: min(cuts)], tokens, "stop")
+        if ended:
+            self._held = ""
+            return Piece(held, tokens, out.finish)
+        keep = max(0, len(held) - self._hold)
+        self._held = held[keep:]
+        return Piece(held[:keep], tokens, None)
+
+
+@pytest.mark.parametrize("broken", [_ListStep, _StopsOnceADelivery])
+def test_the_batch_property_catches_a_broken_batch_decoder(broken: Any) -> None:
+    """The property above fails for each broken variant (the check is not vacuous)."""
+
+    @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate])
+    @given(_CASE, _CUTS, _CUTS, st.integers(0, 8), st.integers(0, 40))
+    def check(
+        case: tuple[list[int], tuple[str, ...]],
+        output_cuts: list[int],
+        batch_cuts: list[int],
+        min_tokens: int,
+        empty: int,
+    ) -> None:
+        ids, stops = case
+        _batches_match(broken, ids, output_cuts, batch_cuts, stops, min_tokens, empty)
+
+    with pytest.raises(AssertionError):
+        check()
+
+
 async def test_chat_renders_the_models_template_and_streams_deltas() -> None:
     async with (
         vllm_group(1) as (group, fake),
@@ -265,9 +417,11 @@ def test_a_prompt_too_long_for_the_model_is_refused_before_tokenizing() -> None:
         d.encode("a\ud800")
 
 
-async def test_the_frontends_work_runs_in_a_worker_thread() -> None:
+async def test_the_frontends_work_runs_in_a_worker_thread_past_a_short_body() -> None:
     """Tokenizing (and rendering a chat) is the frontend's slow work: on the event loop
-    a 4 MiB prompt held up every other stream for seconds."""
+    a 4 MiB prompt held up every other stream for seconds. A body past `INLINE_PREPARE`
+    bytes is prepared in a worker thread; a short one on the event loop (a thread's
+    round trip costs more than tokenizing it)."""
     import threading
 
     seen: list[int] = []
@@ -277,13 +431,23 @@ async def test_the_frontends_work_runs_in_a_worker_thread() -> None:
             seen.append(threading.get_ident())
             return super().prepare(request)
 
-    async with (
-        vllm_group(1) as (group, _),
-        serving(create_app(group=group, frontend=Spy(MODEL))) as client,
-    ):
-        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert response.status_code == 200
-    assert seen and seen[0] != threading.get_ident()
+    short = json.dumps({"prompt": "x", "max_tokens": 1})
+    long = short + " " * INLINE_PREPARE  # JSON's whitespace: the same request, longer
+    with trio.fail_after(30):
+        async with (
+            vllm_group(1) as (group, _),
+            serving(create_app(group=group, frontend=Spy(MODEL))) as client,
+        ):
+            loop_thread = threading.get_ident()
+            answers = [
+                await client.post(
+                    "/v1/completions", content=body, headers={"content-type": "application/json"}
+                )
+                for body in (short, long)
+            ]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert len(seen) == 2
+    assert seen[0] == loop_thread and seen[1] != loop_thread
 
 
 def test_the_detokenizer_starts_from_the_prompts_tail() -> None:

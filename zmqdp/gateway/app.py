@@ -69,7 +69,7 @@ from prometheus_client import (
 
 from ..mock import MockConfig
 from .backends import Backend, EventLike, GroupLike, backend_for
-from .completions import CompletionSettings, handle_completion
+from .completions import CompletionSettings, LiveResponses, handle_completion
 from .errors import HTTPError
 from .frontend import Frontend, MockFrontend
 from .http import Exchange, Receive, Scope, Send, header
@@ -252,6 +252,7 @@ class GatewayApp:
         self._drain_requested: EventLike | None = None
         self._drained: EventLike | None = None
         self._stop_startup: Callable[[], None] | None = None
+        self._live = LiveResponses()
         self.counters = HTTPCounters()
         self.collector = GatewayCollector(self._statistics, self._health, self.counters)
         """The Prometheus collector behind `/metrics` (metrics.py), to add to another
@@ -314,6 +315,7 @@ class GatewayApp:
         log.info("stop asked: live requests are aborted and answered 503")
         if self._stopping is not None:
             self._stopping.set()
+        self._live.stop_all()
 
     async def wait_drained(self) -> None:
         """Return once a drain has finished (the group is drained and closed). Needs the
@@ -408,6 +410,7 @@ class GatewayApp:
             counters=self.counters,
             stopping=self._stopping,
             chat=chat,
+            live=self._live,
         )
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:

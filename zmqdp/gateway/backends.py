@@ -10,9 +10,13 @@ from the loop it runs on are here, chosen at lifespan startup by
 
 * `event()`: a one-shot event (`trio.Event` / `asyncio.Event`);
 * `race(a, b, ...)`: run coroutine functions concurrently; the first to finish wins and
-  the others are cancelled *and waited for* before `race` returns. The request path uses
-  it to run the response next to the `http.disconnect` watcher; the lifespan to wait for
-  "shutdown" or "drain";
+  the others are cancelled *and waited for* before `race` returns. The lifespan uses it
+  to wait for "shutdown" or "drain";
+* `watched(fn, watch, stopper)`: the request path's one structure: the response `fn`
+  runs in the request's own task, inside a `stopper` block, and `watch` (the
+  `http.disconnect` watcher) in one task beside it, which stops the block when it
+  returns; `GatewayApp.stop_now()` stops the same block. One task per request, not
+  three;
 * `within(seconds, fn)`: `fn()` under a timeout (waiting for admission room);
 * `stopper()`: a block that a plain function can stop from the loop's thread (the
   lifespan's startup, when a drain is asked for before the group is up);
@@ -21,11 +25,11 @@ from the loop it runs on are here, chosen at lifespan startup by
 
 anyio would give the same (and more), but it would be a new dependency for about sixty
 lines, and its cancel scopes on asyncio add a layer under every await of the hot path;
-`race` is the only structured-concurrency primitive the gateway uses.
+`race` and `watched` are the only structured-concurrency primitives the gateway uses.
 
-Cancellation in `race`: an error raised by a contestant (an `Exception`) ends the race
-and is re-raised as itself, not in an `ExceptionGroup`: the request path maps it to an
-HTTP status. Cancellation of the task calling `race` cancels every contestant.
+Cancellation in `race` and `watched`: an error raised by a contestant (an `Exception`)
+ends it and is re-raised as itself, not in an `ExceptionGroup`: the request path maps it
+to an HTTP status. Cancellation of the calling task cancels every contestant.
 """
 
 from __future__ import annotations
@@ -154,6 +158,18 @@ class Backend(Protocol):
         waited for. The first to raise an `Exception` makes `race` raise it instead."""
         ...
 
+    async def watched(
+        self,
+        fn: Callable[[], Awaitable[None]],
+        watch: Callable[[], Awaitable[None]],
+        stopper: Stopper,
+    ) -> bool:
+        """`fn()` in this task inside `stopper`'s block, with `watch()` in one task
+        beside it (cancelled and waited for once `fn` ends); `watch` stops the block
+        itself if it should (so may anyone else, through `stopper.stop()`). True if
+        `fn` was stopped."""
+        ...
+
     async def within(self, seconds: float, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
         """(True, fn()) if it finished within `seconds`, else (False, None), cancelled."""
         ...
@@ -202,6 +218,8 @@ class _Finish:
 
 
 class _TrioStopper:
+    __slots__ = ("_scope", "stopped")
+
     def __init__(self) -> None:
         self.stopped = False
         self._scope = trio.CancelScope()
@@ -225,16 +243,25 @@ class _TrioStopper:
 
 
 class _AsyncioStopper:
+    __slots__ = ("_asked", "_open", "_timeout", "stopped")
+
     def __init__(self) -> None:
         self.stopped = False
+        self._asked = False
+        self._open = False
         self._timeout = asyncio.timeout(None)
 
     def stop(self) -> None:
-        if self._timeout.when() is None:
+        """Before the block: it starts stopped; after it: nothing."""
+        self._asked = True
+        if self._open and self._timeout.when() is None:
             self._timeout.reschedule(asyncio.get_running_loop().time())
 
     async def __aenter__(self) -> _AsyncioStopper:
         await self._timeout.__aenter__()
+        self._open = True
+        if self._asked:
+            self._timeout.reschedule(asyncio.get_running_loop().time())
         return self
 
     async def __aexit__(
@@ -243,6 +270,7 @@ class _AsyncioStopper:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
+        self._open = False
         try:
             await self._timeout.__aexit__(exc_type, exc, tb)
         except TimeoutError:
@@ -281,6 +309,33 @@ class TrioBackend:
             for index, fn in enumerate(fns):
                 nursery.start_soon(run, index, fn)
         return finish.result()
+
+    async def watched(
+        self,
+        fn: Callable[[], Awaitable[None]],
+        watch: Callable[[], Awaitable[None]],
+        stopper: Stopper,
+    ) -> bool:
+        errors: list[Exception] = []
+
+        async def watcher() -> None:
+            try:
+                await watch()
+            except Exception as exc:  # as itself, after `fn` stopped: no ExceptionGroup
+                errors.append(exc)
+                stopper.stop()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watcher)
+            try:
+                async with stopper:
+                    await fn()
+            except Exception as exc:
+                errors.insert(0, exc)
+            nursery.cancel_scope.cancel()
+        if errors:
+            raise errors[0]
+        return stopper.stopped
 
     async def within(self, seconds: float, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
         with trio.move_on_after(seconds):
@@ -355,6 +410,37 @@ class AsyncioBackend:
             # Wait for the losers to unwind (a stream's `async with` aborts its request).
             await asyncio.gather(*tasks, return_exceptions=True)
         return finish.result()
+
+    async def watched(
+        self,
+        fn: Callable[[], Awaitable[None]],
+        watch: Callable[[], Awaitable[None]],
+        stopper: Stopper,
+    ) -> bool:
+        errors: list[Exception] = []
+
+        async def watcher() -> None:
+            try:
+                await watch()
+            except Exception as exc:
+                errors.append(exc)
+                stopper.stop()
+
+        task = asyncio.create_task(watcher())
+        try:
+            async with stopper:
+                await fn()
+        except Exception as exc:
+            errors.insert(0, exc)
+        finally:
+            if not task.done():
+                task.cancel()
+                # Waited for (it is `receive()`), never raising its cancellation here;
+                # this task's own cancellation still raises.
+                await asyncio.wait((task,))
+        if errors:
+            raise errors[0]
+        return stopper.stopped
 
     async def within(self, seconds: float, fn: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
         try:

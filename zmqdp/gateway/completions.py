@@ -13,12 +13,16 @@ The request path, in order:
    header (an int >= 0 of at most `MAX_RANK_DIGITS` digits,
    else 400), a non-streaming request's `max_tokens` against `max_collected_tokens`
    (400 naming `max_tokens` past it: stream it instead), then the frontend's `prepare`
-   (a chat's prompt rendered first by its `chat_prompt`; in a worker thread for a
-   `threaded` frontend; its `ValueError` is a 400). Still nothing submitted.
-3. **Race the response against the disconnect watcher and the stop** (`backend.race`).
-   From here on the `receive` callable says nothing but `http.disconnect`, and a
-   watcher task waits for it; another waits for `GatewayApp.stop_now()`; the response
-   runs next to them. Whichever finishes first cancels the others.
+   (a chat's prompt rendered first by its `chat_prompt`; for a `threaded` frontend, in
+   a worker thread if the body is over `INLINE_PREPARE` bytes, else inline: a short
+   prompt tokenizes faster than a thread's round trip; its `ValueError` is a 400).
+   Still nothing submitted.
+3. **Run the response in the request's own task, watched** (`backend.watched`): inside
+   a stop block (a cancel scope; on asyncio a `Stopper`) registered with the app
+   (`LiveResponses`), with one watcher task beside it. From here on the `receive`
+   callable says nothing but `http.disconnect`; the watcher waits for it and stops the
+   block; `GatewayApp.stop_now()` stops every registered block. One task per request
+   besides its own, and nothing waiting for the stop per request.
 4. Inside the response:
 
    a. **Submit**: `group.submit` (never blocks), or with a queue time `wait_submit`
@@ -28,20 +32,21 @@ The request path, in order:
    b. **Enter the stream's `async with` at once**, with no await in between, so the
       request is never live without the block that aborts it.
    c. **Read batches** with `receive_batch()`: everything buffered at once, so a burst
-      of outputs is one HTTP write. Non-streaming: collect until the terminal output,
-      then one JSON response; an answer that grows past `max_collected_tokens` tokens
-      or `max_collected_chars` characters is aborted on its rank and answered 502
-      (`response_too_large`): the engine sent more than was asked for, or more text
-      than the gateway holds for one client. Streaming: the status line and SSE
-      headers go out with the first batch (an error before the first output still gets
-      its own status: 504, 502...), then one write per batch, the last with
-      `finish_reason`, the usage chunk if asked for, and `[DONE]`.
+      of outputs is one HTTP write, with one decode (`BatchDecode.batch`), one SSE
+      encode and one count: the work is per write, not per token. Non-streaming: collect
+      until the terminal output, then one JSON response; an answer that grows past
+      `max_collected_tokens` tokens or `max_collected_chars` characters is aborted on
+      its rank and answered 502 (`response_too_large`): the engine sent more than was
+      asked for, or more text than the gateway holds for one client. Streaming: the
+      status line and SSE headers go out with the first batch (an error before the first
+      output still gets its own status: 504, 502...), then one write per batch, the last
+      with `finish_reason`, the usage chunk if asked for, and `[DONE]`.
    d. A zmqdp error read from the stream becomes an HTTP error (errors.py): its status
       before the first write, an SSE error event after it (then the response ends,
       without `[DONE]`).
 
-Disconnect handling: if the client goes away during 4, the watcher wins the race and
-the response task is **cancelled inside the stream's `async with`**: leaving it early
+Disconnect handling: if the client goes away during 4, the watcher stops the block and
+the response is **cancelled inside the stream's `async with`**: leaving it early
 aborts the request on its own rank (a synchronous queue operation in the group, so it
 cannot be lost to the cancellation), whether the response was streaming or still
 collecting a non-streaming answer, or still waiting for room (then nothing was
@@ -49,22 +54,22 @@ submitted). Without the watcher the gateway would never know: hypercorn and uvic
 accept and drop writes to a closed connection, and a non-streaming request writes
 nothing until the end, so the engine would generate the whole answer for nobody.
 
-If the response ends first, the watcher is cancelled; a disconnect after the last
-write is not counted. Once the last write has begun (`Exchange.ended`) neither the
-watcher nor the stop ever wins: the servers complete a response inside that `send()`
+If the response ends first, the watcher is cancelled and waited for; a disconnect after
+the last write is not counted. Once the last write has begun (`Exchange.ended`) neither
+the watcher nor the stop ever stops it: the servers complete a response inside that `send()`
 (hypercorn closes a `Connection: close` connection or restarts its keep-alive timer
 there), and cancelling it there would leave the connection open forever
 (`http.wait_for_disconnect`).
 
-Stopping (`GatewayApp.stop_now()`, the second SIGTERM of `serve`): the stop wins the
-race, the response is cancelled inside its stream's `async with` (the request is
-aborted on its rank) and the client gets a 503 `shutting_down`, or an SSE error event
-if its stream had begun. A request that arrives after the stop gets that 503 at once.
-On asyncio, a server that cancels the request's task (uvicorn past its
-`timeout_graceful_shutdown`, or the end of `asyncio.run`) gets the same answer, sent
-if the connection can take it, and the task then ends quietly: a `CancelledError`
-escaping the app would be logged by uvicorn as a traceback and answered with a bare
-500.
+Stopping (`GatewayApp.stop_now()`, the second SIGTERM of `serve`): it stops the block of
+every live response (`LiveResponses.stop_all`): each is cancelled inside its stream's
+`async with` (the request is aborted on its rank) and the client gets a 503
+`shutting_down`, or an SSE error event if its stream had begun. A request that arrives
+after the stop gets that 503 at once. On asyncio, a server that cancels the request's
+task (uvicorn past its `timeout_graceful_shutdown`, or the end of `asyncio.run`) gets
+the same answer, sent if the connection can take it, and the task then ends quietly: a
+`CancelledError` escaping the app would be logged by uvicorn as a traceback and answered
+with a bare 500.
 """
 
 from __future__ import annotations
@@ -73,17 +78,18 @@ import asyncio
 import dataclasses
 import functools
 import io
+import itertools
 import logging
+import os
+import secrets
 import time
-import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._core.errors import ZmqdpError
 from ..values import Request
-from .backends import Backend, EventLike, GroupLike, StreamLike
+from .backends import Backend, EventLike, GroupLike, Stopper, StreamLike
 from .errors import HTTPError, http_error
-from .frontend import CompletionRequest, Frontend, Prepared
+from .frontend import CompletionRequest, Frontend, Prepared, batch_decoder
 from .http import Exchange, Receive, Scope, Send, header, read_body, wait_for_disconnect
 from .metrics import HTTPCounters
 from .openai import (
@@ -99,7 +105,14 @@ from .openai import (
     parse_completion,
 )
 
-__all__ = ["MAX_RANK_DIGITS", "RANK_HEADER", "CompletionSettings", "handle_completion"]
+__all__ = [
+    "INLINE_PREPARE",
+    "MAX_RANK_DIGITS",
+    "RANK_HEADER",
+    "CompletionSettings",
+    "LiveResponses",
+    "handle_completion",
+]
 
 log = logging.getLogger("zmqdp.gateway")
 
@@ -114,6 +127,37 @@ MESSAGE_QUOTE = 500
 """Characters of a frontend's error message that an error body quotes at most."""
 
 SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+INLINE_PREPARE = 512
+"""A `threaded` frontend prepares a request of a body up to this many bytes on the event
+loop: a worker thread's round trip (its hand-off, wake-ups and the loop's wake after
+it) costs more CPU than tokenizing a prompt that short, and holding the loop for it
+costs other streams little (the test model's tokenizer: about 10 us for a 20-byte
+prompt, at most about 0.5 ms at this size on a loaded 2-core machine). A longer one
+goes to a thread (past `openai.LARGE_BODY`, to the heavy lane)."""
+
+
+class _Ids:
+    """Request ids: a random prefix per process and a counter. Unique as `uuid4` is for
+    what they are used for (an engine's request key, a log line, `x-request-id`), at a
+    fraction of its cost: the prefix (64 random bits) tells this process's ids from
+    another gateway's on the same engines, the counter one request from the next. A
+    forked child draws its own prefix."""
+
+    def __init__(self) -> None:
+        self.reset()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self.prefix = secrets.token_hex(8)
+        self.count = itertools.count(1)
+
+    def new(self, kind: str) -> str:
+        return f"{kind}-{self.prefix}{next(self.count):08x}"
+
+
+_ids = _Ids()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,14 +222,52 @@ def _shutting_down(request_id: str, rank: int | None, retry_after: int) -> HTTPE
     )
 
 
-async def _until_stopped(
-    stopping: EventLike, exchange: Exchange, forever: Callable[[], Awaitable[None]]
-) -> None:
-    """Return when the gateway stops, unless the response's last write has begun (then
-    wait to be cancelled: see `wait_for_disconnect`)."""
-    await stopping.wait()
-    if exchange.ended:
-        await forever()
+_DISCONNECT = "disconnect"
+_STOP = "stop"
+
+
+class _Live:
+    """One response being served: what stops it early (the client going away, or
+    `GatewayApp.stop_now()`), and which of them did."""
+
+    __slots__ = ("exchange", "stopper", "why")
+
+    def __init__(self, exchange: Exchange, stopper: Stopper) -> None:
+        self.exchange = exchange
+        self.stopper = stopper
+        self.why: str | None = None
+
+    def stop(self, why: str) -> None:
+        """Cancel the response (inside its stream's `async with`), unless it was
+        stopped already or its last write has begun (module docstring)."""
+        if self.why is None and not self.exchange.ended:
+            self.why = why
+            self.stopper.stop()
+
+
+class LiveResponses:
+    """The responses being served, for `GatewayApp.stop_now()` to stop at once: a set,
+    not a task per request waiting for the stop."""
+
+    __slots__ = ("_live",)
+
+    def __init__(self) -> None:
+        self._live: set[_Live] = set()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, live: _Live) -> None:
+        self._live.add(live)
+
+    def discard(self, live: _Live) -> None:
+        self._live.discard(live)
+
+    def stop_all(self) -> None:
+        """Stop every live response (each is then answered 503 `shutting_down`, or a
+        last SSE error event)."""
+        for live in list(self._live):
+            live.stop(_STOP)
 
 
 def _parse(
@@ -256,12 +338,15 @@ async def handle_completion(
     counters: HTTPCounters,
     stopping: EventLike,
     chat: bool = False,
+    live: LiveResponses | None = None,
 ) -> None:
     """Serve one `POST /v1/completions` (module docstring), or with `chat` one `POST
     /v1/chat/completions` (the frontend renders the messages into the prompt:
-    `Frontend.chat_prompt`). `stopping`: set by `GatewayApp.stop_now()`."""
+    `Frontend.chat_prompt`). `stopping`: set by `GatewayApp.stop_now()`, which stops
+    the responses registered in `live` (None: a stop reaches only requests arriving
+    after it)."""
     exchange = Exchange(send, "chat" if chat else "completions", counters)
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    request_id = _ids.new("chatcmpl" if chat else "cmpl")
     exchange.headers.append((b"x-request-id", request_id.encode()))
     counters.active += 1
     arrived = time.perf_counter()
@@ -290,7 +375,7 @@ async def handle_completion(
             rank = _rank(scope)
             _check_collected(request, settings)
             work = functools.partial(_prepare, settings.frontend, request, messages, request_id)
-            if getattr(settings.frontend, "threaded", False):
+            if getattr(settings.frontend, "threaded", False) and len(body) > INLINE_PREPARE:
                 request, prepared = await backend.in_thread(work, heavy=heavy)
             else:
                 request, prepared = work()
@@ -310,22 +395,29 @@ async def handle_completion(
         response = _Response(
             group, backend, settings, counters, exchange, request_id, request, prepared, rank
         )
-        forever = backend.sleep_forever
-        winner, _ = await backend.race(
-            response.run,
-            lambda: wait_for_disconnect(receive, exchange, forever),
-            lambda: _until_stopped(stopping, exchange, forever),
-        )
-        if winner == 1 and not exchange.ended:
+        watch = _Live(exchange, backend.stopper())
+
+        async def disconnected() -> None:
+            await wait_for_disconnect(receive, exchange, backend.sleep_forever)
+            watch.stop(_DISCONNECT)
+
+        if live is not None:
+            live.add(watch)
+        try:
+            stopped = await backend.watched(response.run, disconnected, watch.stopper)
+        finally:
+            if live is not None:
+                live.discard(watch)
+        if stopped and watch.why == _STOP:
+            log.info("request %r (rank %s): aborted: the gateway stops", request_id, response.rank)
+            await exchange.fail(_shutting_down(request_id, response.rank, settings.retry_after))
+        elif stopped and not exchange.ended:
             counters.disconnects[exchange.route] += 1
             log.info(
                 "request %r (rank %s): the client went away; the request was aborted on its rank",
                 request_id,
                 response.rank,
             )
-        elif winner == 2:
-            log.info("request %r (rank %s): aborted: the gateway stops", request_id, response.rank)
-            await exchange.fail(_shutting_down(request_id, response.rank, settings.retry_after))
     except asyncio.CancelledError:
         # The server cancelled this request's task (module docstring): answer if the
         # connection takes it at once, and end quietly. Never raised on trio.
@@ -436,24 +528,21 @@ class _Response:
             )
 
     async def _complete(self, stream: StreamLike) -> None:
-        decode = self.prepared.decode
+        decode = batch_decoder(self.prepared.decode)
         text = io.StringIO()  # one growing buffer, not an object per output
         chars = tokens = 0
         max_tokens = self.settings.max_collected_tokens
         max_chars = self.settings.max_collected_chars
         finish: str | None = None
         while finish is None:
-            for out in await stream.receive_batch():
-                piece = decode(out)
-                chars += text.write(piece.text)
-                tokens += piece.tokens
-                if not self.first and tokens:
-                    self.first = time.perf_counter()
-                if out.finish is not None or piece.finish_reason is not None:
-                    # (a frontend's finish before the engine's: a stop string; leaving the
-                    # stream's block aborts the request on its rank)
-                    finish = piece.finish_reason or "stop"
-                    break
+            # (a frontend's finish before the engine's, a stop string, ends it too:
+            # leaving the stream's block aborts the request on its rank)
+            piece = decode(await stream.receive_batch())
+            chars += text.write(piece.text)
+            tokens += piece.tokens
+            finish = piece.finish_reason
+            if not self.first and tokens:
+                self.first = time.perf_counter()
             if max_tokens is not None and tokens > max_tokens:
                 raise self._too_large(f"{tokens} tokens", f"{max_tokens} tokens")
             if max_chars is not None and chars > max_chars:
@@ -488,32 +577,27 @@ class _Response:
         )
 
     async def _stream(self, stream: StreamLike) -> None:
-        decode = self.prepared.decode
+        """One decode, one encode and one write per batch (`receive_batch()`: every
+        output buffered when this task woke): nothing here is per token."""
+        decode = batch_decoder(self.prepared.decode)
         exchange = self.exchange
         counters = self.counters
         prompt_tokens = self.prepared.prompt_tokens
-        encoder = (ChatChunkEncoder if self.request.chat else ChunkEncoder)(
+        encode = (ChatChunkEncoder if self.request.chat else ChunkEncoder)(
             self.request_id, self.created, self.model
-        )
+        ).text
+        receive = stream.receive_batch
+        counters.prompt_tokens += prompt_tokens
         tokens = 0
         finish: str | None = None
-        counters.prompt_tokens += prompt_tokens
         while finish is None:
-            parts: list[str] = []
-            batch_tokens = 0
-            for out in await stream.receive_batch():
-                piece = decode(out)
-                parts.append(piece.text)
-                batch_tokens += piece.tokens
-                if out.finish is not None or piece.finish_reason is not None:
-                    finish = piece.finish_reason or "stop"  # (as in `_complete`)
-                    break
-            tokens += batch_tokens
-            counters.completion_tokens += batch_tokens
+            piece = decode(await receive())
+            counters.completion_tokens += piece.tokens
+            tokens += piece.tokens
             if not self.first and tokens:
                 self.first = time.perf_counter()
-            self.tokens, self.finish = tokens, finish
-            data = encoder.text("".join(parts), finish)
+            self.tokens, self.finish = tokens, (finish := piece.finish_reason)
+            data = encode(piece.text, finish)
             if finish is not None:
                 if self.request.include_usage:
                     data += chunk(
@@ -527,5 +611,7 @@ class _Response:
                     )
                 data += DONE
             if not exchange.started:
+                # the headers go out with the first batch's chunk (an error before it
+                # still gets its own status)
                 await exchange.start(200, b"text/event-stream", SSE_HEADERS)
             await exchange.body(data, more=finish is None)

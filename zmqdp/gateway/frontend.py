@@ -23,18 +23,33 @@ The interface is two calls, kept small on purpose (`MockFrontend` here, and
   per output, in order, from one task, so it may keep per-request state (an incremental
   detokenizer holding back an incomplete UTF-8 sequence, stop strings...).
 
+Optionally, `decode.batch(outputs)` -> `Piece` (`decode` an object with a `batch`
+method, `BatchDecode`): every output the gateway took at once (`receive_batch()`, one
+HTTP write) in one call, with the same result as `decode_each(decode, outputs)`. The
+gateway's work is then per write, not per token: the frontend loops over the delivery's
+token ids itself and makes one `Piece`. Without it (or for a `Prepared` whose `decode`
+was replaced by a plain function), the gateway calls `decode` per output.
+
 `decode` must not block: it runs on the event loop, between outputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._core.messages import Output
 
-__all__ = ["CompletionRequest", "Frontend", "MockFrontend", "Piece", "Prepared"]
+__all__ = [
+    "BatchDecode",
+    "CompletionRequest",
+    "Frontend",
+    "MockFrontend",
+    "Piece",
+    "Prepared",
+    "decode_each",
+]
 # (`VllmFrontend`, for vLLM engine cores with a tokenizer: vllm_frontend.py)
 
 
@@ -85,11 +100,30 @@ class Prepared:
     """The ADD body (any CBOR-able value the engine understands)."""
     prompt_tokens: int
     decode: Callable[[Output], Piece]
-    """Called for each output of this request, in order (module docstring)."""
+    """Called for each output of this request, in order (module docstring); with a
+    `batch` method (`BatchDecode`), that is called instead, once per delivery."""
     request: Callable[[str, int | None], Any] | None = None
     """Builds the group's request from the gateway's request id and pinned rank, for a
     group on another wire (a `zmqdp.vllm.VllmRequest`); None: a `zmqdp.Request`
     carrying `body` (the native wire)."""
+
+
+class BatchDecode(Protocol):
+    """A `Prepared.decode` that also decodes a whole delivery in one call."""
+
+    def __call__(self, output: Output, /) -> Piece: ...
+
+    def batch(self, outputs: Sequence[Output], /) -> Piece:
+        """Equal to `decode_each(self, outputs)` (module docstring)."""
+        ...
+
+
+def batch_decoder(decode: Callable[[Output], Piece]) -> Callable[[Sequence[Output]], Piece]:
+    """`decode.batch` if it has one, else `decode_each` over `decode`."""
+    batch: Callable[[Sequence[Output]], Piece] | None = getattr(decode, "batch", None)
+    if batch is not None:
+        return batch
+    return lambda outputs: decode_each(decode, outputs)
 
 
 class Frontend(Protocol):
@@ -151,16 +185,60 @@ class MockFrontend:
                 f"{self.max_prompt_tokens}"
             )
         ids = list(tokens)
-        return Prepared({"prompt": ids, "max_tokens": request.max_tokens}, len(ids), _mock_piece)
+        body = {"prompt": ids, "max_tokens": request.max_tokens}
+        return Prepared(body, len(ids), _MOCK_DECODE)
 
 
-def _mock_piece(output: Output) -> Piece:
-    body = output.body
-    text = ""
+def decode_each(decode: Callable[[Output], Piece], outputs: Sequence[Output]) -> Piece:
+    """`decode` of each output, joined into one piece, up to the first output that ends
+    the answer (the engine's finish, or a frontend's: a stop string), whose finish it
+    has (`"stop"` if the frontend said none); later outputs are not decoded. None as
+    the finish: the answer goes on. What `Prepared.decode_batch` must equal."""
+    parts = []
+    tokens = 0
+    for output in outputs:
+        piece = decode(output)
+        parts.append(piece.text)
+        tokens += piece.tokens
+        if output.finish is not None or piece.finish_reason is not None:
+            return Piece("".join(parts), tokens, piece.finish_reason or "stop")
+    return Piece("".join(parts), tokens, None)
+
+
+def _mock_text(body: Any) -> str:
     if isinstance(body, dict):
         token = body.get("token")
         if type(token) is int:
-            text = f" t{token}"
-        elif isinstance(body.get("text"), str):
-            text = body["text"]
-    return Piece(text, 1, output.finish)
+            return f" t{token}"
+        if isinstance(body.get("text"), str):
+            return body["text"]  # type: ignore[no-any-return]
+    return ""
+
+
+class _MockDecode:
+    """The mock's decoding: stateless, one for every request."""
+
+    __slots__ = ()
+
+    def __call__(self, output: Output) -> Piece:
+        return Piece(_mock_text(output.body), 1, output.finish)
+
+    def batch(self, outputs: Sequence[Output]) -> Piece:
+        if len(outputs) == 1:  # (one token per write: c=32 is mostly that)
+            output = outputs[0]
+            finish = output.finish
+            return Piece(_mock_text(output.body), 1, None if finish is None else finish or "stop")
+        parts = []
+        for i, output in enumerate(outputs):
+            parts.append(_mock_text(output.body))
+            finish = output.finish
+            if finish is not None:
+                return Piece("".join(parts), i + 1, finish or "stop")
+        return Piece("".join(parts), len(outputs), None)
+
+
+_MOCK_DECODE = _MockDecode()
+
+
+def _mock_piece(output: Output) -> Piece:  # (kept: the name tests and embedders used)
+    return _MOCK_DECODE(output)

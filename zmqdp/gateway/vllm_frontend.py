@@ -13,7 +13,8 @@ frontend's (vLLM's `InputProcessor` and `OutputProcessor`). Here, per request:
    model's length, as vLLM answers (400). The OpenAI sampling fields become vLLM's
    `SamplingParams` (`FIELDS`); `stop` strings stay here (the engine only knows stop
    token ids), and the model's EOS token id goes with the request.
-2. `decode` turns each output's new token ids into text incrementally
+2. `_Decoder.batch` turns a delivery's new token ids (every output the gateway took at
+   once) into text incrementally, in one call and one loop (`decode`: one output's)
    (`tokenizers.decoders.DecodeStream`: a multi-byte character split over several
    tokens comes out whole, once its last byte is there; special tokens are skipped).
 3. Stop strings: the text is searched as it grows. Up to the longest stop string minus
@@ -32,13 +33,13 @@ from __future__ import annotations
 import datetime
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._core.messages import Output
-from .frontend import CompletionRequest, Piece, Prepared
+from .frontend import CompletionRequest, Piece, Prepared, decode_each
 
 __all__ = ["FIELDS", "MAX_STOP_STRINGS", "VllmFrontend"]
 
@@ -329,7 +330,7 @@ class VllmFrontend:
 
         min_tokens = options["min_tokens"] or 0
         decoder = _Decoder(model.tokenizer, stops, ids[-PRIME_TOKENS:], min_tokens)
-        return Prepared(None, len(ids), decoder.decode, make)
+        return Prepared(None, len(ids), decoder, make)
 
 
 def _token_text(value: Any) -> str:
@@ -399,7 +400,12 @@ class _Decoder:
         body = output.body
         ids = getattr(body, "token_ids", None) or []
         step, tokenizer = self._step, self._tokenizer
-        text = "".join(piece for t in ids if (piece := step(tokenizer, t)) is not None)
+        parts = []
+        for t in ids:  # (a plain loop: `step` of a list holds back text it would not)
+            piece = step(tokenizer, t)
+            if piece is not None:
+                parts.append(piece)
+        text = "".join(parts)
         finish = output.finish
         if not self._stops:
             return Piece(text, len(ids), None if finish is None else _FINISHES.get(finish, finish))
@@ -422,3 +428,28 @@ class _Decoder:
             return Piece("", len(ids), None)
         self._held = held[keep:]
         return Piece(held[:keep], len(ids), None)
+
+    __call__ = decode
+
+    def batch(self, outputs: Sequence[Output]) -> Piece:
+        """`decode` of each output, in one call (`frontend.BatchDecode`): the same text,
+        tokens and finish as the outputs' pieces joined, up to the output that ends the
+        answer. Without stop strings (the hot path), one loop over the delivery's token
+        ids and one `Piece`; with them, `decode` per output (held text and `min_tokens`
+        are decided output by output, and stay exactly so)."""
+        if self._stops:
+            return decode_each(self.decode, outputs)
+        step, tokenizer = self._step, self._tokenizer
+        parts = []
+        tokens = 0
+        for output in outputs:
+            ids = getattr(output.body, "token_ids", None) or ()
+            tokens += len(ids)
+            for t in ids:
+                piece = step(tokenizer, t)
+                if piece is not None:
+                    parts.append(piece)
+            finish = output.finish
+            if finish is not None:
+                return Piece("".join(parts), tokens, _FINISHES.get(finish, finish))
+        return Piece("".join(parts), tokens, None)
