@@ -112,7 +112,11 @@ RULES: tuple[tuple[str, str, frozenset[str] | None], ...] = tuple(
         ("threads", "/asyncio/threads.py", None),
         # -- detokenization (DecodeStream.step is native: its time is decode's line's)
         ("detok", f"{GW}vllm_frontend.py", None),
-        ("detok", f"{GW}frontend.py", "_mock_piece"),
+        (
+            "detok",
+            f"{GW}frontend.py",
+            "_mock_piece _mock_text _MockDecode.__call__ _MockDecode.batch decode_each",
+        ),
         # -- the request's body parsed (per request), then the answer's encoding
         ("request", f"{GW}openai.py", "parse_completion parse_chat"),
         ("request", f"{GW}completions.py", "_parse"),
@@ -130,6 +134,8 @@ RULES: tuple[tuple[str, str, frozenset[str] | None], ...] = tuple(
         ("write", "/uvicorn/protocols/http/httptools_impl.py", "RequestResponseCycle.send"),
         ("write", "/uvicorn/protocols/http/flow_control.py", None),
         ("write", "/trio/_highlevel_socket.py", "send_all"),
+        # zmqdp's hypercorn fast paths (direct writes, chunks framed past h11)
+        ("write", f"{GW}connections.py", "protocol_send send_chunk chunk_of _Framer"),
         # -- the request's parse and the connection's handling (specific parts)
         ("parse", f"{GW}http.py", "read_body header"),
         ("parse", f"{GW}connections.py", None),
