@@ -1,5 +1,7 @@
 """`python -m zmqdp serve`: the gateway on hypercorn (trio, the default) or uvicorn
-(asyncio), with SIGTERM draining.
+(asyncio; its httptools parser when installed, `--http h11` for its pure-Python one),
+with SIGTERM draining. The bounds on connections and request heads are
+`zmqdp.gateway.connections`'.
 
     python -m zmqdp serve --mock                       # an embedded mock group of 2
     python -m zmqdp serve --url ipc:///tmp/zmqdp-g1/g --engines 4 --max-inflight info
