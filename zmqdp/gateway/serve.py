@@ -569,12 +569,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.header_timeout > 0:
         print("zmqdp serve: --header-timeout must be > 0", file=sys.stderr)
         return 2
-    if args.http != "auto" and args.server != "uvicorn":
-        print("zmqdp serve: --http chooses uvicorn's parser: add --server uvicorn", file=sys.stderr)
-        return 2
-    if args.server == "uvicorn" and args.http == "httptools":
+    if args.http == "httptools":
         import importlib.util
 
+        if args.server != "uvicorn":
+            print(
+                "zmqdp serve: --http httptools is uvicorn's parser (hypercorn's is h11): add "
+                "--server uvicorn",
+                file=sys.stderr,
+            )
+            return 2
         if importlib.util.find_spec("httptools") is None:
             print(
                 "zmqdp serve: --http httptools needs httptools: pip install 'zmqdp[gateway]'",
