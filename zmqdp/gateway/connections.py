@@ -428,7 +428,9 @@ def uvicorn_protocol(
                 raise _Overflow
             super().on_headers_complete()
             live = tuple(c for c in self._cycles if not c.response_complete)
-            self._cycles = (*live, self.cycle)
+            if self.cycle is not None and self.cycle not in live:  # None: an upgrade
+                live += (self.cycle,)
+            self._cycles = live
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
