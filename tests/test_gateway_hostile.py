@@ -20,7 +20,8 @@ only (`UVICORN`). Each test names the finding it guards:
   target) is answered 431 and its connection closed, on every server and parser, while
   a 12 KiB head in small pieces is served; requests pipelined behind one in progress are
   answered in order up to `MAX_PIPELINED`, one more closes the connection on httptools
-  (h11 holds their raw bytes instead).
+  (h11 holds their raw bytes instead), and a client that pipelined and left has its
+  request aborted; a chunked body past the body limit is a 413 on every parser.
 
 Every test has its own time limit (`trio.fail_after`, `anyio.fail_after`); nothing
 waits on the clock to synchronize.
