@@ -15,6 +15,7 @@ synchronize.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -110,7 +111,14 @@ the protocol class `zmqdp serve` uses (`zmqdp.gateway.connections.uvicorn_protoc
 
 def server_param(request: pytest.FixtureRequest) -> str:
     """The body of a module's `server` fixture (module docstring)."""
-    return str(request.param)
+    return need_parser(str(request.param))
+
+
+def need_parser(server: str) -> str:
+    """`server`, or a skip naming the extra if its HTTP parser is not installed."""
+    if server.endswith("-httptools") and importlib.util.find_spec("httptools") is None:
+        pytest.skip(f"{server} needs the gateway extra (httptools is not installed)")
+    return server
 
 
 def run_on(server: str, main: Callable[[], Awaitable[None]]) -> None:
@@ -235,6 +243,7 @@ def on_server(
     """`body(served)` in `server`'s loop, against a gateway on `server` over `n`
     `TokenEngine`s (`ScriptFrontend`); `kw` go to `create_app`, `config` to `serving`.
     Afterwards the lifespan shutdown has closed the group."""
+    need_parser(server)
     with EngineThread(url_in(tmp_path), n, engine=TokenEngine) as engines:
 
         async def main() -> None:

@@ -29,6 +29,7 @@ Every test has its own `trio.fail_after`; nothing waits on the clock to synchron
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -184,7 +185,17 @@ async def test_a_client_told_not_to_leaves_the_open_files_limit_alone(tmp_path: 
 
 # -- the gateway ------------------------------------------------------------------------------
 
-SERVERS = ["hypercorn", "uvicorn-h11", "uvicorn-httptools"]
+SERVERS = [
+    "hypercorn",
+    "uvicorn-h11",
+    pytest.param(
+        "uvicorn-httptools",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("httptools") is None,
+            reason="the gateway extra (httptools is not installed)",
+        ),
+    ),
+]
 """`serve --server hypercorn`, and `--server uvicorn` with each of its HTTP parsers."""
 
 
