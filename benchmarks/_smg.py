@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -164,7 +165,7 @@ def descendants(pid: int) -> list[int]:
 
 
 class Stack:
-    """A gateway (`kind`: "smg", "trio" or "asyncio") and its fake engine group."""
+    """A gateway (`kind`: one of `NAMES`) and its fake engine group."""
 
     NAMES: ClassVar[dict[str, str]] = {
         "smg": "SMG 1.13 (Rust)",
@@ -172,6 +173,9 @@ class Stack:
         "asyncio": "zmqdp serve --server uvicorn (asyncio)",
         "vllm": "vllm serve (vLLM's Python API server)",
         "vllmrs": "VLLM_USE_RUST_FRONTEND=1 vllm serve (vLLM's Rust vllm-rs)",
+        "h11": "zmqdp serve --server uvicorn --http h11",
+        "httptools": "zmqdp serve --server uvicorn --http httptools",
+        "granian": "the gateway's app on granian (Rust hyper, ASGI, uvloop)",
     }
 
     def __init__(
@@ -223,12 +227,25 @@ class Stack:
             cmd += ["--data-parallel-rpc-port", str(rpc), "--api-server-count", "1"]
             cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
             cmd += ["--disable-uvicorn-access-log"]
+        elif kind == "granian":  # bench_asgi.py: the app serve builds (_granian_app.py)
+            engines_url = f"ipc://{self.dir}/z"
+            serve = ["--vllm", self.model, "--url", engines_url, "--engines", str(RANKS)]
+            env["ZMQDP_SERVE_ARGS"] = shlex.join([*serve, "--log-level", "WARNING"])
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+            cmd = [python, "-m", "granian", "--interface", "asgi", "--loop", "uvloop"]
+            cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--http", "1", "--no-ws"]
+            # its bounds: a 16 KiB head (431), 5 s to send one (slowloris); none on
+            # connections (bench_asgi.py)
+            cmd += ["--http1-buffer-size", "16384", "--http1-header-read-timeout", "5000"]
+            cmd += ["--backlog", "2048", "--log-level", "warning", "_granian_app:app"]
         else:
             engines_url = f"ipc://{self.dir}/z"
             cmd = [python, "-m", "zmqdp", "serve", "--vllm", self.model, "--url", engines_url]
             cmd += ["--engines", str(RANKS), "--port", str(self.port), "--log-level", "WARNING"]
             if kind == "asyncio":
                 cmd += ["--server", "uvicorn"]
+            elif kind in ("h11", "httptools"):  # bench_asgi.py
+                cmd += ["--server", "uvicorn", "--http", kind]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.procs["gateway"] = subprocess.Popen(
             cmd,

@@ -15,6 +15,7 @@ synchronize.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,7 +40,12 @@ from zmqdp import GroupStatistics
 from zmqdp._core.messages import Output
 from zmqdp.engine import Abort, Add
 from zmqdp.gateway import CompletionRequest, GatewayApp, Piece, Prepared, create_app
-from zmqdp.gateway.connections import install_hypercorn_fast_paths
+from zmqdp.gateway.connections import (
+    MAX_HEAD,
+    ConnectionCap,
+    install_hypercorn_fast_paths,
+    uvicorn_protocol,
+)
 
 from .helpers import READY_TIMEOUT
 
@@ -98,13 +104,26 @@ def hold(tokens: int = 0, **fields: Any) -> dict[str, Any]:
 
 # -- the servers ------------------------------------------------------------------------
 
-SERVERS = ["hypercorn", *(f"uvicorn-{loop}" for loop in sorted(RUNNERS))]
-"""hypercorn's trio worker, and uvicorn on each asyncio loop (asyncio, uvloop)."""
+UVICORN_PARSERS = {"asyncio": "h11", "uvloop": "httptools"}
+"""The HTTP/1.1 parser uvicorn runs with on each asyncio loop: each loop and each parser
+is covered without a run for every pair (`serve --server uvicorn` takes httptools when
+installed, and uvloop when installed)."""
+
+SERVERS = ["hypercorn", *(f"uvicorn-{loop}-{UVICORN_PARSERS[loop]}" for loop in sorted(RUNNERS))]
+"""hypercorn's trio worker, and uvicorn on each asyncio loop (asyncio, uvloop), through
+the protocol class `zmqdp serve` uses (`zmqdp.gateway.connections.uvicorn_protocol`)."""
 
 
 def server_param(request: pytest.FixtureRequest) -> str:
     """The body of a module's `server` fixture (module docstring)."""
-    return str(request.param)
+    return need_parser(str(request.param))
+
+
+def need_parser(server: str) -> str:
+    """`server`, or a skip naming the extra if its HTTP parser is not installed."""
+    if server.endswith("-httptools") and importlib.util.find_spec("httptools") is None:
+        pytest.skip(f"{server} needs the gateway extra (httptools is not installed)")
+    return server
 
 
 def run_on(server: str, main: Callable[[], Awaitable[None]]) -> None:
@@ -117,7 +136,7 @@ def run_on(server: str, main: Callable[[], Awaitable[None]]) -> None:
 
         trio.run(limited)
     else:
-        run_limited(RUNNERS[server.removeprefix("uvicorn-")], main)
+        run_limited(RUNNERS[server.split("-")[1]], main)
 
 
 class UvicornServer(uvicorn.Server):
@@ -133,9 +152,13 @@ class UvicornServer(uvicorn.Server):
             self.listening.set()
 
 
-def uvicorn_server(app: GatewayApp) -> UvicornServer:
+def uvicorn_server(app: GatewayApp, http: str = "auto") -> UvicornServer:
+    """`app` on uvicorn with `serve`'s protocol class for `http` (`UVICORN_HTTP`), with no
+    connection bound and a head deadline no test reaches."""
     config = uvicorn.Config(
         app,
+        http=uvicorn_protocol(ConnectionCap(0), TIME_LIMIT, http),
+        h11_max_incomplete_event_size=MAX_HEAD,
         host="127.0.0.1",
         port=0,
         lifespan="on",
@@ -168,7 +191,7 @@ async def serving(
             stop.set()
         return
     assert not config_options, "uvicorn's configuration is fixed here"
-    userver = uvicorn_server(app)
+    userver = uvicorn_server(app, server.split("-")[2])
 
     async def serve_it() -> None:
         try:
@@ -226,6 +249,7 @@ def on_server(
     """`body(served)` in `server`'s loop, against a gateway on `server` over `n`
     `TokenEngine`s (`ScriptFrontend`); `kw` go to `create_app`, `config` to `serving`.
     Afterwards the lifespan shutdown has closed the group."""
+    need_parser(server)
     with EngineThread(url_in(tmp_path), n, engine=TokenEngine) as engines:
 
         async def main() -> None:

@@ -198,6 +198,28 @@ def test_a_port_taken_after_the_check_is_one_line_too(
     assert "ExceptionGroup" not in err and "Traceback" not in err
 
 
+def test_serve_http_httptools_needs_uvicorn_and_httptools(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--http httptools` is refused, one line and exit status 2, before anything starts:
+    with hypercorn (whose parser is h11), and where httptools is not installed."""
+    serve = pytest.importorskip("zmqdp.gateway.serve")
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--mock", "--http", "httptools"])
+    assert serve.run(args) == 2
+    assert capsys.readouterr().err == (
+        "zmqdp serve: --http httptools is uvicorn's parser (hypercorn's is h11): add "
+        "--server uvicorn\n"
+    )
+    real = importlib.util.find_spec
+    missing = lambda name, *a: None if name == "httptools" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    args = parser.parse_args(["--mock", "--http", "httptools", "--server", "uvicorn"])
+    assert serve.run(args) == 2
+    assert "pip install 'zmqdp[gateway]'" in capsys.readouterr().err
+
+
 def test_bind_errors_are_found_in_nested_groups_and_nothing_else() -> None:
     serve = pytest.importorskip("zmqdp.gateway.serve")
     in_use = OSError(errno.EADDRINUSE, "Address already in use")

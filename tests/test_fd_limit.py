@@ -20,12 +20,16 @@ sockets and real HTTP:
 * a slowloris connection is closed after `--header-timeout`, on uvicorn too (which has
   no deadline for a request head of its own), and a response that outlasts it is not.
 
+What involves uvicorn runs on each of its parsers (`SERVERS`: ``--http h11`` and
+``--http httptools``).
+
 Every test has its own `trio.fail_after`; nothing waits on the clock to synchronize
 (the slowloris connections pace their re-opening, as an attacker would).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -181,6 +185,25 @@ async def test_a_client_told_not_to_leaves_the_open_files_limit_alone(tmp_path: 
 
 # -- the gateway ------------------------------------------------------------------------------
 
+SERVERS = [
+    "hypercorn",
+    "uvicorn-h11",
+    pytest.param(
+        "uvicorn-httptools",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("httptools") is None,
+            reason="the gateway extra (httptools is not installed)",
+        ),
+    ),
+]
+"""`serve --server hypercorn`, and `--server uvicorn` with each of its HTTP parsers."""
+
+
+def server_options(server: str) -> list[str]:
+    """The `serve` options that choose `server` (one of `SERVERS`)."""
+    name, _, http = server.partition("-")
+    return ["--server", name, *(["--http", http] if http else [])]
+
 
 class Slowloris:
     """`count` HTTP connections that send half a request head and wait; each re-opens
@@ -266,7 +289,7 @@ async def check_serve_under_slowloris(tmp_path: Path, server: str, hard: int) ->
     Returns its log."""
     url = f"ipc://{tmp_path}/g"
     cmd = [sys.executable, "-m", "zmqdp", "serve", "--url", url, "--engines", "2"]
-    cmd += ["--port", "0", "--server", server, "--log-level", "INFO"]
+    cmd += ["--port", "0", *server_options(server), "--log-level", "INFO"]
     serve = await trio.lowlevel.open_process(
         cmd,
         stdout=subprocess.PIPE,
@@ -344,7 +367,7 @@ async def test_serve_raises_its_limit_and_survives_slowloris_and_a_rank_restart(
 
 
 @pytest.mark.timeout_s(30)
-@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+@pytest.mark.parametrize("server", SERVERS)
 async def test_serve_at_hard_limit_1024_refuses_connections_past_its_bound(
     tmp_path: Path, server: str
 ) -> None:
@@ -355,10 +378,10 @@ async def test_serve_at_hard_limit_1024_refuses_connections_past_its_bound(
 
 
 @pytest.mark.timeout_s(20)
-@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+@pytest.mark.parametrize("server", SERVERS)
 async def test_a_connection_whose_request_head_never_completes_is_closed(server: str) -> None:
     cmd = [sys.executable, "-m", "zmqdp", "serve", "--mock", "--port", "0"]
-    cmd += ["--server", server, "--header-timeout", "0.5", "--step-time", "0.01"]
+    cmd += [*server_options(server), "--header-timeout", "0.5", "--step-time", "0.01"]
     serve = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
     try:
         with trio.fail_after(18):
@@ -380,12 +403,12 @@ async def test_a_connection_whose_request_head_never_completes_is_closed(server:
 
 
 @pytest.mark.timeout_s(20)
-@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+@pytest.mark.parametrize("server", SERVERS)
 async def test_max_connections_refuses_the_next_connection_and_admits_after_one_closes(
     server: str,
 ) -> None:
     cmd = [sys.executable, "-m", "zmqdp", "serve", "--mock", "--port", "0"]
-    cmd += ["--server", server, "--max-connections", "2", "--step-time", "0.01"]
+    cmd += [*server_options(server), "--max-connections", "2", "--step-time", "0.01"]
     serve = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
     try:
         with trio.fail_after(18):

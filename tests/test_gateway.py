@@ -23,6 +23,7 @@ Nothing waits on the clock to synchronize: engines are driven by hand and waited
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import signal
 import subprocess
@@ -792,7 +793,9 @@ async def test_serve_drains_on_sigterm_then_exits_0(server: str) -> None:
     )
     try:
         out = await read_banner(proc)
-        flavour = b"(hypercorn, trio)" if server == "hypercorn" else b"(uvicorn, asyncio)"
+        parser = b"h11" if importlib.util.find_spec("httptools") is None else b"httptools"
+        uvicorn = b"(uvicorn, asyncio, %s)" % parser
+        flavour = b"(hypercorn, trio)" if server == "hypercorn" else uvicorn
         assert flavour in out, out
         await check_sigterm_drain(served_url(out), lambda: proc.send_signal(signal.SIGTERM))
         assert await proc.wait() == 0

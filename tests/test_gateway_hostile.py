@@ -14,7 +14,14 @@ only (`UVICORN`). Each test names the finding it guards:
 * 8: a rank header or a JSON number too long for `int()` is a 400, never a bare 500;
 * 9: a second SIGTERM answers live requests with a JSON 503 (an SSE error event for a
   begun stream), with no traceback in the log, on both servers; so do `stop_now()` and,
-  on uvicorn, the cancellation of a request's task past `timeout_graceful_shutdown`.
+  on uvicorn, the cancellation of a request's task past `timeout_graceful_shutdown`;
+* 10 (issue 34, uvicorn on httptools, whose parser has no bound of its own): a request
+  head that grows past 16 KiB (one endless header, endless headers, an endless request
+  target) is answered 431 and its connection closed, on every server and parser, while
+  a 12 KiB head in small pieces is served; requests pipelined behind one in progress are
+  answered in order up to `MAX_PIPELINED`, one more closes the connection on httptools
+  (h11 holds their raw bytes instead), and a client that pipelined and left has its
+  request aborted; a chunked body past the body limit is a 413 on every parser.
 
 Every test has its own time limit (`trio.fail_after`, `anyio.fail_after`); nothing
 waits on the clock to synchronize.
@@ -43,6 +50,7 @@ from tests.fakes.threaded import EngineThread, url_in, wait_until
 from zmqdp.engine import Add
 from zmqdp.gateway import create_app
 from zmqdp.gateway.app import DEFAULT_MAX_COLLECTED_TOKENS
+from zmqdp.gateway.connections import MAX_HEAD, MAX_PIPELINED
 
 from .gateway_helpers import (
     SERVERS,
@@ -477,3 +485,175 @@ async def test_a_second_sigterm_answers_live_requests_503_without_tracebacks(
 ) -> None:
     with trio.fail_after(15):
         await check_second_sigterm(server, tmp_path)
+
+
+# -- 10: a request head is bounded, and so is pipelining -------------------------------------
+
+
+async def _send_until_closed(sock: ByteStream, first: bytes, piece: bytes, total: int) -> None:
+    """`first`, then `piece` until `total` bytes are sent or the server has closed."""
+    sent = 0
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        await sock.send(first)
+        while sent < total:
+            await sock.send(piece)
+            sent += len(piece)
+
+
+async def _read_all(sock: ByteStream) -> bytes:
+    """Everything until the server closes (a reset, for bytes it left unread, too)."""
+    data = b""
+    with contextlib.suppress(anyio.BrokenResourceError, OSError):
+        while chunk := await _receive(sock):
+            data += chunk
+    return data
+
+
+ENDLESS_HEADS = {
+    "header-value": (b"POST /v1/completions HTTP/1.1\r\nhost: test\r\nx-long: ", b"v" * 1024),
+    "header-count": (b"POST /v1/completions HTTP/1.1\r\nhost: test\r\n", b"x-h: 1\r\n" * 128),
+    "request-target": (b"GET /", b"a" * 1024),
+}
+
+
+@pytest.mark.parametrize("kind", ENDLESS_HEADS)
+def test_a_request_head_growing_past_16_KiB_is_a_431_and_closes(
+    tmp_path: Path, server: str, kind: str
+) -> None:
+    """The head never completes; 4 MiB of it are offered. Before issue 34, uvicorn on
+    httptools read it all, kept it, and never answered."""
+    first, piece = ENDLESS_HEADS[kind]
+
+    async def body(s: Served) -> None:
+        with anyio.fail_after(STEP):
+            async with (
+                await anyio.connect_tcp(*_address(s.client)) as sock,
+                anyio.create_task_group() as tasks,
+            ):
+                # read meanwhile: a client that only reads once its send fails may
+                # find the connection reset, the answer with it
+                tasks.start_soon(_send_until_closed, sock, first, piece, 4 << 20)
+                answer = await _read_all(sock)  # hangs if the server keeps reading
+                tasks.cancel_scope.cancel()
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:300]
+        if server != "hypercorn":  # hypercorn's own 431 has no body
+            error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == "request_header_fields_too_large"
+            assert f"more than {MAX_HEAD} bytes" in error["message"]
+        assert s.stats().submitted == 0
+
+    on_server(server, tmp_path, body)
+
+
+def test_a_12_KiB_request_head_in_small_pieces_is_served(tmp_path: Path, server: str) -> None:
+    """No false 431: 120 headers of 100 bytes sent 500 bytes at a time, the last piece
+    with the body (one read holds the head's end and the body)."""
+
+    async def body(s: Served) -> None:
+        data = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        pad = b"".join(b"x-pad-%03d: %s\r\n" % (i, b"p" * 87) for i in range(120))
+        assert len(pad) == 12_000
+        head = _post({"prompt": "hi", "max_tokens": 2}).partition(b"\r\n\r\n")[0]
+        whole = head + b"\r\n" + pad + b"\r\n" + data
+        with anyio.fail_after(STEP):
+            async with await anyio.connect_tcp(*_address(s.client)) as sock:
+                cut = len(whole) - len(data) - 100  # the last piece: the head's end, the body
+                for i in range(0, cut, 500):
+                    await sock.send(whole[i : min(i + 500, cut)])
+                await sock.send(whole[cut:])
+                head, answer = await _read_response(sock)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        assert json.loads(answer)["choices"][0]["text"] == " t0 t1"
+
+    on_server(server, tmp_path, body)
+
+
+async def _read_responses(sock: ByteStream, n: int) -> list[tuple[bytes, bytes]]:
+    """`n` responses with a content-length, in order: [(head, body)]."""
+    out: list[tuple[bytes, bytes]] = []
+    buffer = b""
+    while len(out) < n:
+        while b"\r\n\r\n" not in buffer:
+            chunk = await _receive(sock)
+            assert chunk, (out, buffer)
+            buffer += chunk
+        head, _, rest = buffer.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        while len(rest) < length:
+            chunk = await _receive(sock)
+            assert chunk, (out, rest)
+            rest += chunk
+        out.append((head, rest[:length]))
+        buffer = rest[length:]
+    return out
+
+
+@pytest.mark.parametrize("queued", [MAX_PIPELINED, MAX_PIPELINED + 1])
+def test_requests_pipelined_behind_one_in_progress(
+    tmp_path: Path, server: str, queued: int
+) -> None:
+    """A held completion and `queued` health checks behind it, in one write. Up to
+    `MAX_PIPELINED`, or on h11 (which keeps their raw bytes), each is answered in order
+    once the completion ends; past it on httptools (which parses a whole read into
+    requests) the connection is closed, and the completion is not left on its rank."""
+    overflow = queued > MAX_PIPELINED and server.endswith("httptools")
+
+    async def body(s: Served) -> None:
+        health = b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n"
+        with anyio.fail_after(STEP):
+            async with await anyio.connect_tcp(*_address(s.client)) as sock:
+                await sock.send(_post(hold()) + health * queued)
+                if overflow:
+                    assert await _read_all(sock) == b""
+                    await wait_until(lambda: s.stats().ranks[0].inflight == 0)
+                    assert s.stats().submitted == s.stats().aborted
+                    return
+                await s.finish_held()
+                answers = await _read_responses(sock, 1 + queued)
+        assert all(head.startswith(b"HTTP/1.1 200 ") for head, _ in answers)
+        assert json.loads(answers[0][1])["choices"][0]["text"] == " tdone"
+        assert all(json.loads(answer)["live"] for _, answer in answers[1:])
+
+    on_server(server, tmp_path, body)
+
+
+@pytest.mark.parametrize("server", UVICORN)
+def test_a_client_that_pipelined_and_left_has_its_request_aborted(
+    tmp_path: Path, server: str
+) -> None:
+    """A held completion with a health check pipelined behind it, then the client goes.
+    uvicorn on httptools told only the request parsed last (the health check, never
+    started) that the connection was lost: the completion stayed on its rank for good.
+    (hypercorn 0.18 stops reading while a request waits behind the one in progress, so
+    it sees no disconnect either: not fixed here.)"""
+
+    async def body(s: Served) -> None:
+        health = b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n"
+        with anyio.fail_after(STEP):
+            async with await anyio.connect_tcp(*_address(s.client)) as sock:
+                await sock.send(_post(hold()) + health)
+                [wire] = (await s.engines.wait_for(0, lambda v: len(v.held) == 1)).held
+            view = await s.engines.wait_for(0, lambda v: bool(v.aborted()))
+            assert view.aborted() == [wire]
+            await wait_until(lambda: s.stats().ranks[0].inflight == 0)
+
+    on_server(server, tmp_path, body)
+
+
+def test_a_chunked_body_past_the_limit_is_a_413(tmp_path: Path, server: str) -> None:
+    """The body bound holds for a chunked body too, on every parser (the body is read
+    by the app, not the parser: a body that never ends is answered once past it)."""
+
+    async def body(s: Served) -> None:
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: test\r\n"
+        head += b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+        chunk = b"20\r\n" + b" " * 32 + b"\r\n"  # JSON whitespace, never a whole body
+        with anyio.fail_after(STEP):
+            async with await anyio.connect_tcp(*_address(s.client)) as sock:
+                await sock.send(head + chunk * 3)
+                status, answer = await _read_response(sock)
+        assert status.startswith(b"HTTP/1.1 413 "), status
+        assert json.loads(answer)["error"]["code"] == "body_too_large"
+        assert s.stats().submitted == 0
+
+    on_server(server, tmp_path, body, max_body_size=64)

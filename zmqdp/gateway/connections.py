@@ -1,5 +1,6 @@
-"""The gateway's bound on open HTTP connections, and its deadline for a request head,
-on hypercorn and on uvicorn; and hypercorn's direct write path.
+"""The gateway's bounds on HTTP connections, on hypercorn and on uvicorn: how many are
+open, how long a request head may take, and how large it may be; and hypercorn's
+direct write path.
 
 Why: every HTTP connection takes a descriptor of the process's table, the same table
 libzmq needs when a rank (re)connects to an ipc group URL, and libzmq 4.3.5 aborts the
@@ -18,6 +19,15 @@ never completes a request never reaches the API key check. So:
   its last response, else it is closed (hypercorn: its `keep_alive_timeout`, which
   already runs until a request head is complete; uvicorn has no such deadline at all:
   `uvicorn_protocol` adds one).
+* a request head is at most `MAX_HEAD` (16 KiB) while it is incomplete: h11 (hypercorn's
+  parser, and uvicorn's pure-Python one) refuses more with a 431 (uvicorn's bare 400 for
+  it becomes the same JSON 431 here). uvicorn's fast parser, httptools (llhttp, the
+  default once installed), has no bound at all: it would hold an endless header, so
+  `uvicorn_protocol` counts each head's bytes itself, answers 431 past `MAX_HEAD`, and
+  closes a connection that pipelines more than `MAX_PIPELINED` requests behind the one
+  being answered (httptools turns a whole read into request objects where h11 keeps the
+  raw bytes). It also tells every request of a lost connection that it is lost, where
+  uvicorn's httptools protocol tells only the one parsed last.
 
 On hypercorn the same replaced connection class also has cheaper paths
 (`install_hypercorn_fast_paths`, which `zmqdp serve` uses), with hypercorn's behaviour:
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import math
@@ -48,10 +59,14 @@ import trio
 from ..fdlimit import current_limit, open_fds
 
 __all__ = [
+    "MAX_HEAD",
+    "UVICORN_HTTP",
     "ConnectionCap",
     "headroom",
     "install_hypercorn_cap",
     "install_hypercorn_fast_paths",
+    "uvicorn_http_class",
+    "uvicorn_http_name",
     "uvicorn_protocol",
 ]
 
@@ -149,22 +164,14 @@ class ConnectionCap:
 
     def refusal(self) -> bytes:
         """The whole answer to a refused connection: a 503 in the OpenAI error shape."""
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"the gateway has {self.open} HTTP connections open, its "
-                    "limit: close idle connections or retry later",
-                    "type": "service_unavailable",
-                    "param": None,
-                    "code": "too_many_connections",
-                }
-            }
-        ).encode()
-        head = (
-            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"retry-after: 1\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+        return _answer(
+            "503 Service Unavailable",
+            "too_many_connections",
+            "service_unavailable",
+            f"the gateway has {self.open} HTTP connections open, its limit: close idle "
+            "connections or retry later",
+            "retry-after: 1\r\n",
         )
-        return head.encode() + body
 
 
 # -- hypercorn (trio) ---------------------------------------------------------------------
@@ -455,18 +462,82 @@ async def _refuse_trio(stream: Any, answer: bytes) -> None:
 
 # -- uvicorn (asyncio) --------------------------------------------------------------------
 
+UVICORN_HTTP = ("auto", "httptools", "h11")
+"""`uvicorn_protocol`'s choices of uvicorn's HTTP/1.1 implementation: auto is httptools
+(llhttp, in C) when it is installed (the `gateway` extra installs it), else h11 (pure
+Python, several times the CPU per write)."""
 
-def uvicorn_protocol(cap: ConnectionCap, head_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class (its "auto" choice), admitting connections through
-    `cap` and closing one that has no request in progress and completes no request head
-    within `head_timeout` s of its start or of its last response."""
+MAX_HEAD = 16 * 1024
+"""Bytes of a request head (request line and headers) at most, past which it is answered
+431 and the connection closed: h11's bound on an incomplete event (uvicorn's h11 and
+hypercorn's default). llhttp has none: httptools would buffer an endless header."""
+
+LINGER = 1.0
+"""Seconds a connection answered 431 stays open, its input dropped (`_close_overflowing`)."""
+
+MAX_PIPELINED = 16
+"""Requests parsed ahead of the one being answered on a connection, at most; past it the
+connection is closed. httptools parses a whole read (up to 256 KiB) at once and makes
+each request a cycle of about 2 KB (a read of minimal pipelined requests: 15 MB), where
+h11 keeps the raw bytes until the answer is done."""
+
+
+def uvicorn_http_class(http: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's protocol class for `http` (`UVICORN_HTTP`); ImportError if httptools is
+    asked for and not installed."""
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
 
-    base: Any = import_from_string(HTTP_PROTOCOLS["auto"])
+    if http not in UVICORN_HTTP:
+        raise ValueError(f"http must be one of {', '.join(UVICORN_HTTP)}, not {http!r}")
+    if http == "auto":
+        http = "h11" if importlib.util.find_spec("httptools") is None else "httptools"
+    cls: type[asyncio.Protocol] = import_from_string(HTTP_PROTOCOLS[http])
+    return cls
+
+
+def uvicorn_http_name(cls: type[asyncio.Protocol]) -> str:
+    """The implementation ("httptools" or "h11") of a class `uvicorn_protocol` made."""
+    return "httptools" if any(c.__name__ == "HttpToolsProtocol" for c in cls.__mro__) else "h11"
+
+
+def _answer(status: str, code: str, kind: str, message: str, extra: str = "") -> bytes:
+    """A whole HTTP/1.1 answer that closes the connection: an error in the OpenAI shape."""
+    body = json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{extra}"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+HEAD_TOO_LARGE = _answer(
+    "431 Request Header Fields Too Large",
+    "request_header_fields_too_large",
+    "invalid_request_error",
+    f"the request line and headers are more than {MAX_HEAD} bytes",
+)
+
+
+class _Overflow(Exception):
+    """Raised in an httptools callback to stop the parser (it answers "callback error")."""
+
+
+def uvicorn_protocol(
+    cap: ConnectionCap, head_timeout: float, http: str = "auto"
+) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class (`uvicorn_http_class(http)`), admitting connections
+    through `cap`, closing one that has no request in progress and completes no request
+    head within `head_timeout` s of its start or of its last response, and bounding a
+    request head to `MAX_HEAD` bytes (431) on httptools as h11 does (h11's own 400 for
+    it becomes the same 431)."""
+    base: Any = uvicorn_http_class(http)
 
     class CappedProtocol(base):  # type: ignore[misc]
         _refused = False
+        _lingering = False
         _admitted = False
         _head_timer: asyncio.TimerHandle | None = None
         _head_cycle: Any = None
@@ -482,7 +553,7 @@ def uvicorn_protocol(cap: ConnectionCap, head_timeout: float) -> type[asyncio.Pr
             self._arm_head_deadline()
 
         def data_received(self, data: bytes) -> None:
-            if not self._refused:
+            if not (self._refused or self._lingering):
                 super().data_received(data)
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -522,4 +593,107 @@ def uvicorn_protocol(cap: ConnectionCap, head_timeout: float) -> type[asyncio.Pr
             if cycle is self._head_cycle and idle and not self.transport.is_closing():
                 self.transport.close()
 
-    return CappedProtocol
+        def _close_overflowing(self) -> None:
+            """Answer 431 and close, or only close if a response is being written (an
+            answer now would land inside it). The answer is followed by a FIN, and what
+            the client still sends is read and dropped for `LINGER` s: a close with
+            unread bytes would reset the connection, and the client might never see
+            the 431."""
+            if self.transport.is_closing() or self._lingering:
+                return
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                self.transport.close()
+                return
+            self._lingering = True
+            self.transport.write(HEAD_TOO_LARGE)
+            self.transport.write_eof()
+            self.flow.resume_reading()
+            self.loop.call_later(LINGER, self.transport.close)
+
+    if uvicorn_http_name(base) == "h11":
+
+        class H11Protocol(CappedProtocol):
+            def send_400_response(self, msg: str) -> None:
+                # h11 refuses a head past its incomplete-event bound with a 400 that
+                # does not say why: the head it holds tells
+                if len(self.conn.trailing_data[0]) > MAX_HEAD:
+                    self._close_overflowing()
+                else:
+                    super().send_400_response(msg)
+
+        return H11Protocol
+
+    class HttpToolsProtocol(CappedProtocol):
+        """Counts the bytes of each request head, from the callbacks (the request
+        target and every complete header, exactly) and from the reads that fall wholly
+        inside it (a header still incomplete, which httptools holds unseen), and stops
+        the parser past `MAX_HEAD`; bounds pipelining to `MAX_PIPELINED`; and tells
+        every request of the connection when it is lost (uvicorn's tells only the last
+        one parsed: a request answered while others were pipelined behind it would
+        never see `http.disconnect`, and a held one would stay on its rank for good)."""
+
+        _cycles: tuple[Any, ...] = ()
+        """The connection's requests not yet answered, in order."""
+        _head_open = False
+        _heads = 0
+        _head_reads = 0
+        _head_seen = 0
+        _overflow = False
+
+        def data_received(self, data: bytes) -> None:
+            was_open, heads = self._head_open, self._heads
+            super().data_received(data)
+            if self._head_open and was_open and heads == self._heads:
+                self._head_reads += len(data)  # all of it is the open head's
+                if self._head_reads > MAX_HEAD:
+                    self._close_overflowing()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_open = True
+            self._heads += 1
+            self._head_reads = self._head_seen = 0
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            self._count(len(url))
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            super().on_header(name, value)
+            self._count(len(name) + len(value) + 4)
+
+        def _count(self, size: int) -> None:
+            self._head_seen += size
+            if self._head_seen > MAX_HEAD:
+                self._overflow = True
+                raise _Overflow
+
+        def on_headers_complete(self) -> None:
+            self._head_open = False
+            cycle = self.cycle
+            busy = cycle is not None and not cycle.response_complete
+            if busy and len(self.pipeline) >= MAX_PIPELINED:
+                self._overflow = True
+                raise _Overflow
+            super().on_headers_complete()
+            live = tuple(c for c in self._cycles if not c.response_complete)
+            if self.cycle is not None and self.cycle not in live:  # None: an upgrade
+                live += (self.cycle,)
+            self._cycles = live
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            for cycle in self._cycles:
+                if not cycle.response_complete and not cycle.disconnected:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            self._cycles = ()
+
+        def send_400_response(self, msg: str) -> None:
+            if self._overflow:  # a callback stopped the parser
+                self._close_overflowing()
+            else:
+                super().send_400_response(msg)
+
+    return HttpToolsProtocol

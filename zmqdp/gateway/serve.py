@@ -1,5 +1,7 @@
 """`python -m zmqdp serve`: the gateway on hypercorn (trio, the default) or uvicorn
-(asyncio), with SIGTERM draining.
+(asyncio; its httptools parser when installed, `--http h11` for its pure-Python one),
+with SIGTERM draining. The bounds on connections and request heads are
+`zmqdp.gateway.connections`'.
 
     python -m zmqdp serve --mock                       # an embedded mock group of 2
     python -m zmqdp serve --url ipc:///tmp/zmqdp-g1/g --engines 4 --max-inflight info
@@ -50,9 +52,12 @@ from .app import (
     create_app,
 )
 from .connections import (
+    MAX_HEAD,
+    UVICORN_HTTP,
     ConnectionCap,
     install_hypercorn_cap,
     install_hypercorn_fast_paths,
+    uvicorn_http_name,
     uvicorn_protocol,
 )
 
@@ -159,6 +164,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000, help="0: any free port")
     http.add_argument("--server", choices=("hypercorn", "uvicorn"), default="hypercorn")
+    http.add_argument(
+        "--http",
+        choices=UVICORN_HTTP,
+        default="auto",
+        help="--server uvicorn: its HTTP/1.1 parser. auto (default): httptools (C, "
+        "llhttp) when installed (the gateway extra installs it), else h11 (pure Python); "
+        "h11 forces it. Both bound a request head to 16 KiB (431)",
+    )
     http.add_argument("--model", default="zmqdp", help="the model name in responses")
     http.add_argument(
         "--served-model-name",
@@ -398,9 +411,11 @@ def serve_uvicorn(
     log_level: str = "info",
     max_connections: int | None = None,
     header_timeout: float = 5.0,
+    http: str = "auto",
 ) -> int:
     """Serve `app` with uvicorn until a signal drains it (module docstring); returns the
-    exit status. `max_connections` and `header_timeout`: as `serve_hypercorn`'s."""
+    exit status. `max_connections` and `header_timeout`: as `serve_hypercorn`'s; `http`:
+    its HTTP/1.1 implementation (`--http`, `zmqdp.gateway.connections.UVICORN_HTTP`)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -419,7 +434,8 @@ def serve_uvicorn(
                 cap.settle(app.group.size)
             if self.started and self.servers and self.servers[0].sockets:
                 bound = self.servers[0].sockets[0].getsockname()
-                announce(banner(f"http://{bound[0]}:{bound[1]}", "uvicorn, asyncio", app))
+                where = f"http://{bound[0]}:{bound[1]}"
+                announce(banner(where, f"uvicorn, asyncio, {uvicorn_http_name(protocol)}", app))
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # A signal handler (main thread, between bytecodes): hand over to the loop.
@@ -461,9 +477,11 @@ def serve_uvicorn(
             self.should_exit = True
 
     cap = ConnectionCap(max_connections)
+    protocol = uvicorn_protocol(cap, header_timeout, http)
     config = uvicorn.Config(
         app,
-        http=uvicorn_protocol(cap, header_timeout),
+        http=protocol,
+        h11_max_incomplete_event_size=MAX_HEAD,
         host=host,
         port=port,
         lifespan="on",
@@ -563,6 +581,22 @@ def run(args: argparse.Namespace) -> int:
     if not args.header_timeout > 0:
         print("zmqdp serve: --header-timeout must be > 0", file=sys.stderr)
         return 2
+    if args.http == "httptools":
+        import importlib.util
+
+        if args.server != "uvicorn":
+            print(
+                "zmqdp serve: --http httptools is uvicorn's parser (hypercorn's is h11): add "
+                "--server uvicorn",
+                file=sys.stderr,
+            )
+            return 2
+        if importlib.util.find_spec("httptools") is None:
+            print(
+                "zmqdp serve: --http httptools needs httptools: pip install 'zmqdp[gateway]'",
+                file=sys.stderr,
+            )
+            return 2
     problem = listen_problem(args.host, args.port)
     if problem is not None:  # before the group connects: one line, no traceback
         print(f"zmqdp serve: {problem}", file=sys.stderr)
@@ -582,6 +616,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             max_connections=args.max_connections,
             header_timeout=args.header_timeout,
+            http=args.http,
         )
     from hypercorn.utils import LifespanFailureError
 
