@@ -15,8 +15,9 @@ A *stack* is one gateway and its engine group, each in a process of its own:
   10000>`` (`handshake_port`), which the engines connect to. The router is a Rust
   extension running in the launcher's own Python process (it renames itself
   ``smg::router``); its CPU is that process's, every thread, plus any descendant's;
-* zmqdp: ``python -m zmqdp serve --vllm MODEL --url ipc://DIR/z --engines 2`` (hypercorn
-  on trio, or ``--server uvicorn``), exactly as a user runs it; the engines connect to
+* zmqdp: ``python -m zmqdp serve --vllm MODEL --url ipc://DIR/z --engines 2`` with
+  ``--server hypercorn`` (trio) or ``--server uvicorn`` (asyncio, the default), exactly
+  as a user runs it; the engines connect to
   its ipc handshake, data sockets on ipc as SMG's;
 * vLLM's own API server (kinds "vllm" and "vllmrs", bench_gateway.py's V and R rows):
   ``vllm serve MODEL --data-parallel-size 2 --data-parallel-size-local 0 ...``, the Python
@@ -169,8 +170,8 @@ class Stack:
 
     NAMES: ClassVar[dict[str, str]] = {
         "smg": "SMG 1.13 (Rust)",
-        "trio": "zmqdp serve (hypercorn, trio)",
-        "asyncio": "zmqdp serve --server uvicorn (asyncio)",
+        "trio": "zmqdp serve --server hypercorn (trio)",
+        "asyncio": "zmqdp serve --server uvicorn (asyncio, the default)",
         "vllm": "vllm serve (vLLM's Python API server)",
         "vllmrs": "VLLM_USE_RUST_FRONTEND=1 vllm serve (vLLM's Rust vllm-rs)",
         "h11": "zmqdp serve --server uvicorn --http h11",
@@ -242,7 +243,9 @@ class Stack:
             engines_url = f"ipc://{self.dir}/z"
             cmd = [python, "-m", "zmqdp", "serve", "--vllm", self.model, "--url", engines_url]
             cmd += ["--engines", str(RANKS), "--port", str(self.port), "--log-level", "WARNING"]
-            if kind == "asyncio":
+            if kind == "trio":
+                cmd += ["--server", "hypercorn"]
+            elif kind == "asyncio":
                 cmd += ["--server", "uvicorn"]
             elif kind in ("h11", "httptools"):  # bench_asgi.py
                 cmd += ["--server", "uvicorn", "--http", kind]

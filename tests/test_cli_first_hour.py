@@ -179,23 +179,25 @@ async def test_serve_on_a_port_in_use_is_one_line_before_the_group(
     assert result.stdout == b""
 
 
+@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
 def test_a_port_taken_after_the_check_is_one_line_too(
-    busy_port: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    busy_port: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], server: str
 ) -> None:
-    """The port is taken between the check and hypercorn's own bind (which comes after
-    the group connected): hypercorn's nested exception groups become the same line."""
+    """The port is taken between the check and the server's own bind (which comes after
+    the group connected): hypercorn's nested exception groups, and uvicorn's log of the
+    bare OSError, become the same line."""
     serve = pytest.importorskip("zmqdp.gateway.serve")
     monkeypatch.setattr(serve, "listen_problem", lambda host, port: None)
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    args = parser.parse_args(
-        ["--mock", "--port", str(busy_port), "--step-time", "0.01", "--ready-timeout", "20"]
-    )
+    options = ["--mock", "--port", str(busy_port), "--step-time", "0.01", "--ready-timeout"]
+    args = parser.parse_args([*options, "20", "--server", server])
     args.log_level = "ERROR"
     assert serve.run(args) == 1
     err = capsys.readouterr().err
     assert f"zmqdp serve: cannot listen on 127.0.0.1:{busy_port}: the port is in use" in err
     assert "ExceptionGroup" not in err and "Traceback" not in err
+    assert "Errno" not in err, err  # uvicorn's own line is held back
 
 
 def test_serve_http_httptools_needs_uvicorn_and_httptools(
@@ -206,16 +208,16 @@ def test_serve_http_httptools_needs_uvicorn_and_httptools(
     serve = pytest.importorskip("zmqdp.gateway.serve")
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    args = parser.parse_args(["--mock", "--http", "httptools"])
+    args = parser.parse_args(["--mock", "--http", "httptools", "--server", "hypercorn"])
     assert serve.run(args) == 2
     assert capsys.readouterr().err == (
-        "zmqdp serve: --http httptools is uvicorn's parser (hypercorn's is h11): add "
-        "--server uvicorn\n"
+        "zmqdp serve: --http httptools is uvicorn's parser (hypercorn's is h11): drop "
+        "--server hypercorn (uvicorn is the default)\n"
     )
     real = importlib.util.find_spec
     missing = lambda name, *a: None if name == "httptools" else real(name, *a)  # noqa: E731
     monkeypatch.setattr(importlib.util, "find_spec", missing)
-    args = parser.parse_args(["--mock", "--http", "httptools", "--server", "uvicorn"])
+    args = parser.parse_args(["--mock", "--http", "httptools"])  # uvicorn, the default
     assert serve.run(args) == 2
     assert "pip install 'zmqdp[gateway]'" in capsys.readouterr().err
 

@@ -783,18 +783,21 @@ def test_create_app_refuses_contradictory_arguments() -> None:
 
 
 @pytest.mark.timeout_s(40)
-@pytest.mark.parametrize("server", ["hypercorn", "uvicorn"])
+@pytest.mark.parametrize("server", ["hypercorn", "default"])
 async def test_serve_drains_on_sigterm_then_exits_0(server: str) -> None:
-    """`python -m zmqdp serve --mock --server <server>`: the banner names the URL and the
-    server; SIGTERM turns /ready to 503 while a live stream goes on to [DONE]; then the
-    process exits 0. (uvicorn's loop is its own choice: uvloop when installed.)"""
+    """`python -m zmqdp serve --mock`, with `--server hypercorn` or none (uvicorn, the
+    default): the banner names the URL, the server, and for uvicorn its loop (uvloop
+    when installed) and its parser (httptools when installed); SIGTERM turns /ready to
+    503 while a live stream goes on to [DONE]; then the process exits 0."""
+    options = ("--server", server) if server != "default" else ()
     proc = await trio.lowlevel.open_process(
-        serve_command("--server", server), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        serve_command(*options), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
         out = await read_banner(proc)
         parser = b"h11" if importlib.util.find_spec("httptools") is None else b"httptools"
-        uvicorn = b"(uvicorn, asyncio, %s)" % parser
+        loop = b"asyncio" if importlib.util.find_spec("uvloop") is None else b"uvloop"
+        uvicorn = b"(uvicorn, %s, %s)" % (loop, parser)
         flavour = b"(hypercorn, trio)" if server == "hypercorn" else uvicorn
         assert flavour in out, out
         await check_sigterm_drain(served_url(out), lambda: proc.send_signal(signal.SIGTERM))

@@ -5,10 +5,11 @@
 aiperf (NVIDIA's OpenAI-API benchmark, a client nobody here wrote) goes in a venv of its
 own, ``.venv-aiperf`` (made on first use; it has many dependencies of its own). The
 engines are tests/fakes/vllm.py's (2 ranks, vLLM 0.33's wire) and the gateway is
-``python -m zmqdp serve --vllm`` over the tiny test model (tests/data/tiny-model) with its
-context raised to 4096 tokens: aiperf's default prompts are about 550 tokens, past the
-model's 512 (the gateway answers those with vLLM's 400, as it should). Each runs in a
-process of its own from the project's ``.venv``.
+``python -m zmqdp serve --vllm`` on its default server (uvicorn) over the tiny test
+model (tests/data/tiny-model) with its context raised to 4096 tokens: aiperf's default
+prompts are about 550 tokens, past the model's 512 (the gateway answers those with
+vLLM's 400, as it should). Each runs in a process of its own from the project's
+``.venv``.
 
 Three runs: aiperf's default (chat, not streaming), chat streaming, and completions
 streaming. Each must complete every request with no error record. Exit status 0 if so.

@@ -19,7 +19,7 @@ Modules, in the order a request meets them:
 * `metrics`: `/metrics`, a Prometheus collector over `statistics()`;
 * `backends`: the little the gateway needs from trio or asyncio;
 * `http`: plain-ASGI plumbing;
-* `serve`: the `serve` command, hypercorn or uvicorn, SIGTERM drains.
+* `serve`: the `serve` command, uvicorn (the default) or hypercorn, SIGTERM drains.
 
 Needs the ``gateway`` extra (prometheus-client; hypercorn or uvicorn to serve).
 """

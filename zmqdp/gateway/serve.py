@@ -1,7 +1,10 @@
-"""`python -m zmqdp serve`: the gateway on hypercorn (trio, the default) or uvicorn
-(asyncio; its httptools parser when installed, `--http h11` for its pure-Python one),
-with SIGTERM draining. The bounds on connections and request heads are
-`zmqdp.gateway.connections`'.
+"""`python -m zmqdp serve`: the gateway on uvicorn (the default: asyncio, on uvloop and
+its httptools parser when installed, `--http h11` for its pure-Python one; the group is
+`zmqdp.aio`'s, trio as a guest) or hypercorn (`--server hypercorn`: trio-native, an
+`EngineGroup`), with SIGTERM draining. uvicorn is the default because it costs a
+quarter of hypercorn's CPU per streamed write, and no trio server gets near it
+(docs/performance.md, "The trio HTTP server"). The bounds on connections and request
+heads are `zmqdp.gateway.connections`'.
 
     python -m zmqdp serve --mock                       # an embedded mock group of 2
     python -m zmqdp serve --url ipc:///tmp/zmqdp-g1/g --engines 4 --max-inflight info
@@ -61,11 +64,21 @@ from .connections import (
     uvicorn_protocol,
 )
 
-__all__ = ["add_arguments", "banner", "listen_problem", "run", "serve_hypercorn", "serve_uvicorn"]
+__all__ = [
+    "SERVERS",
+    "add_arguments",
+    "banner",
+    "listen_problem",
+    "run",
+    "serve_hypercorn",
+    "serve_uvicorn",
+]
 
 log = logging.getLogger("zmqdp.gateway")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SERVERS = ("uvicorn", "hypercorn")
+"""`--server`: the first is the default."""
 ROUTING = ("speed", "least-loaded")
 """`--routing`: the values `ConnectOptions.routing` accepts."""
 
@@ -163,7 +176,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000, help="0: any free port")
-    http.add_argument("--server", choices=("hypercorn", "uvicorn"), default="hypercorn")
+    http.add_argument(
+        "--server",
+        choices=SERVERS,
+        default="uvicorn",
+        help="uvicorn (default): asyncio, on uvloop and httptools when installed (the "
+        "gateway extra installs both), ~15 us of CPU per streamed write; hypercorn: "
+        "trio-native, for a trio-only stack, ~4x that per write",
+    )
     http.add_argument(
         "--http",
         choices=UVICORN_HTTP,
@@ -435,7 +455,8 @@ def serve_uvicorn(
             if self.started and self.servers and self.servers[0].sockets:
                 bound = self.servers[0].sockets[0].getsockname()
                 where = f"http://{bound[0]}:{bound[1]}"
-                announce(banner(where, f"uvicorn, asyncio, {uvicorn_http_name(protocol)}", app))
+                loop = "uvloop" if type(self.loop).__module__.startswith("uvloop") else "asyncio"
+                announce(banner(where, f"uvicorn, {loop}, {uvicorn_http_name(protocol)}", app))
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # A signal handler (main thread, between bytecodes): hand over to the loop.
@@ -480,6 +501,9 @@ def serve_uvicorn(
     protocol = uvicorn_protocol(cap, header_timeout, http)
     config = uvicorn.Config(
         app,
+        # uvloop when it is installed (the gateway extra installs it off Windows), else
+        # asyncio's own loop: the measured rows of this flavour are on uvloop
+        loop="auto",
         http=protocol,
         h11_max_incomplete_event_size=MAX_HEAD,
         host=host,
@@ -490,13 +514,38 @@ def serve_uvicorn(
         timeout_graceful_shutdown=5,
     )
     server = DrainingServer(config)
+    failed_bind = _FailedBind()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(failed_bind)
     try:
         server.run()
-    except SystemExit as exc:  # uvicorn exits 3 if the lifespan startup failed
+    except SystemExit as exc:  # uvicorn exits 3 if the lifespan startup failed, 1 if its bind
         if server.signalled:
             return 0
+        if failed_bind.error is not None:
+            # The port was taken between `listen_problem` and uvicorn's bind (which comes
+            # after the group connected): the same one line as before the group.
+            advice = _bind_advice(host, port, failed_bind.error)
+            print(f"zmqdp serve: {advice}", file=sys.stderr)
+            return 1
         return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        uvicorn_log.removeFilter(failed_bind)
     return 0 if server.started or server.signalled else 1
+
+
+class _FailedBind(logging.Filter):
+    """Holds back uvicorn's log of a failed bind (it logs the bare `OSError`, then exits
+    1) and keeps the error, for `serve_uvicorn` to say it as `serve` says it before the
+    group connects."""
+
+    error: OSError | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, OSError) and record.msg.errno in _BIND_ERRNOS:
+            self.error = record.msg
+            return False
+        return True
 
 
 # -- the command ------------------------------------------------------------------------
@@ -586,8 +635,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.server != "uvicorn":
             print(
-                "zmqdp serve: --http httptools is uvicorn's parser (hypercorn's is h11): add "
-                "--server uvicorn",
+                "zmqdp serve: --http httptools is uvicorn's parser (hypercorn's is h11): drop "
+                "--server hypercorn (uvicorn is the default)",
                 file=sys.stderr,
             )
             return 2
@@ -604,9 +653,15 @@ def run(args: argparse.Namespace) -> int:
     app = app_from_args(args)
     if args.server == "uvicorn":
         try:
+            import uvicorn  # noqa: F401
+
             import zmqdp.aio  # noqa: F401
         except ImportError as exc:
-            print(f"zmqdp serve: --server uvicorn needs zmqdp.aio: {exc}", file=sys.stderr)
+            print(
+                f"zmqdp serve: --server uvicorn (the default) cannot start: {exc}; "
+                "pip install 'zmqdp[gateway]', or --server hypercorn",
+                file=sys.stderr,
+            )
             return 2
         return serve_uvicorn(
             app,
