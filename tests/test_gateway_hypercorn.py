@@ -428,3 +428,36 @@ async def test_an_answer_before_the_body_is_read_keeps_the_connection(fast: bool
                     data += chunk
                 assert data.startswith(b"HTTP/1.1 401 ")
                 assert b"connection: close" not in data.lower()
+
+
+async def test_a_write_cancelled_after_part_of_it_went_out_is_finished_whole() -> None:
+    """A write that the socket takes only in part, from a task already cancelled (the
+    gateway's stop or disconnect landing while the response task was being woken): its
+    rest still goes out, so the app's next write (the gateway's last SSE event) starts
+    on a chunk boundary. Its rest used to wait for hypercorn's send lock outside any
+    shield: the lock's cancellation check raised, the rest was dropped, and the client
+    read half a chunk followed by the next one (a corrupt chunked body)."""
+    big = b"x" * 8_000_000  # past the kernel's send buffer: os.write takes a part
+    raised: list[bool] = []
+
+    async def app(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        with trio.CancelScope() as cancelled:
+            cancelled.cancel()
+            await send({"type": "http.response.body", "body": big, "more_body": True})
+        raised.append(cancelled.cancelled_caught)
+        await send({"type": "http.response.body", "body": b"last", "more_body": False})
+
+    with trio.fail_after(LIMIT):
+        async with (
+            hypercorn_on(app, True) as served,
+            await connect_slow_reader(served.address) as stream,
+        ):
+            await stream.send_all(REQUEST)
+            await trio.testing.wait_all_tasks_blocked()  # the server's socket is full
+            head, body = await read_response(stream)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert body == b"first" + big + b"last"
+    assert raised == [False]  # the write finished: nothing of it was lost
