@@ -5,7 +5,8 @@
   for the socket, with no task step (hypercorn's: two per write); what the socket cannot
   take at once goes hypercorn's way (its lock, a shielded `send_all`), and the bytes
   arrive whole and in order. A peer that resets the connection is an `http.disconnect`
-  to the app, its later writes dropped, as on hypercorn's path.
+  to the app, its later writes dropped, as on hypercorn's path. A write cancelled after
+  part of it went out still goes out whole. A TLS connection keeps hypercorn's writes.
 * A body part that is not the last goes past hypercorn's stream and h11, framed as the
   chunk h11 would frame; every shape of response (chunked, content-length, HEAD, 204,
   HTTP/1.0) is the same bytes as hypercorn sends.
