@@ -5,7 +5,8 @@
   for the socket, with no task step (hypercorn's: two per write); what the socket cannot
   take at once goes hypercorn's way (its lock, a shielded `send_all`), and the bytes
   arrive whole and in order. A peer that resets the connection is an `http.disconnect`
-  to the app, its later writes dropped, as on hypercorn's path.
+  to the app, its later writes dropped, as on hypercorn's path. A write cancelled after
+  part of it went out still goes out whole. A TLS connection keeps hypercorn's writes.
 * A body part that is not the last goes past hypercorn's stream and h11, framed as the
   chunk h11 would frame; every shape of response (chunked, content-length, HEAD, 204,
   HTTP/1.0) is the same bytes as hypercorn sends.
@@ -19,17 +20,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import ssl
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("hypercorn", reason="needs the gateway extra: pip install 'zmqdp[gateway]'")
 
+import hypercorn.trio.run as hypercorn_run
 import trio
 import trio.testing
 from hypercorn.config import Config
@@ -428,3 +434,94 @@ async def test_an_answer_before_the_body_is_read_keeps_the_connection(fast: bool
                     data += chunk
                 assert data.startswith(b"HTTP/1.1 401 ")
                 assert b"connection: close" not in data.lower()
+
+
+async def test_a_write_cancelled_after_part_of_it_went_out_is_finished_whole() -> None:
+    """A write that the socket takes only in part, from a task already cancelled (the
+    gateway's stop or disconnect landing while the response task was being woken): its
+    rest still goes out, so the app's next write (the gateway's last SSE event) starts
+    on a chunk boundary. Its rest used to wait for hypercorn's send lock outside any
+    shield: the lock's cancellation check raised, the rest was dropped, and the client
+    read half a chunk followed by the next one (a corrupt chunked body)."""
+    big = b"x" * 8_000_000  # past the kernel's send buffer: os.write takes a part
+    raised: list[bool] = []
+
+    async def app(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        with trio.CancelScope() as cancelled:
+            cancelled.cancel()
+            await send({"type": "http.response.body", "body": big, "more_body": True})
+        raised.append(cancelled.cancelled_caught)
+        await send({"type": "http.response.body", "body": b"last", "more_body": False})
+
+    with trio.fail_after(LIMIT):
+        async with (
+            hypercorn_on(app, True) as served,
+            await connect_slow_reader(served.address) as stream,
+        ):
+            await stream.send_all(REQUEST)
+            await trio.testing.wait_all_tasks_blocked()  # the server's socket is full
+            head, body = await read_response(stream)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert body == b"first" + big + b"last"
+    assert raised == [False]  # the write finished: nothing of it was lost
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
+async def test_a_tls_connection_keeps_hypercorns_write_path(tmp_path: Path) -> None:
+    """With a TLS config the fast paths leave the writes to hypercorn (the bytes must go
+    through the TLS stream, never to the socket): every write is hypercorn's, and the
+    response arrives whole."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    command = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    command += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+    await trio.run_process(command, capture_stdout=True, capture_stderr=True)
+    chunks = [b"data: %d\n\n" % i for i in range(50)]
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.certfile, config.keyfile = str(cert), str(key)
+    install_hypercorn_cap(config, ConnectionCap(0))
+    install_hypercorn_fast_paths(config)
+    direct: list[int] = []
+    server_class: Any = hypercorn_run.TCPServer
+    send = server_class.protocol_send
+
+    async def spied(self: Any, event: Any) -> None:
+        direct.append(self._fd)
+        await send(self, event)
+
+    client = ssl.create_default_context()
+    client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
+    data = b""
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            app = sse_app(chunks, {})
+
+            async def with_lifespan(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+                if scope["type"] == "lifespan":
+                    while (await receive())["type"] != "lifespan.shutdown":
+                        await send({"type": "lifespan.startup.complete"})
+                    await send({"type": "lifespan.shutdown.complete"})
+                else:
+                    await app(scope, receive, send)
+
+            server_class.protocol_send = spied
+            try:
+                binds = await nursery.start(partial(serve, with_lifespan, config))  # type: ignore[arg-type]
+                host, port = binds[0].removeprefix("https://").rsplit(":", 1)
+                stream = await trio.open_ssl_over_tcp_stream(host, int(port), ssl_context=client)
+                closing = REQUEST.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")
+                await stream.send_all(closing)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while chunk := await stream.receive_some():
+                        data += chunk
+            finally:
+                server_class.protocol_send = send
+            nursery.cancel_scope.cancel()
+    assert data.startswith(b"HTTP/1.1 200 ")
+    assert data.endswith(b"\r\n0\r\n\r\n")
+    assert all(b"\r\n" + chunk + b"\r\n" in data for chunk in chunks)
+    assert direct and set(direct) == {-1}  # never the socket's own descriptor

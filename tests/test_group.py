@@ -7,6 +7,7 @@ sizes. Every test runs under the absolute time limit of conftest.py.
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -581,6 +582,100 @@ async def test_the_dispatcher_leaves_the_garbage_collector_as_it_found_it(
             assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+class _BusyCore:
+    """A `GroupCore` that always has work and gives the dispatcher nothing to do with it."""
+
+    def next_loss(self) -> float:
+        return math.inf
+
+    def next_deadline(self) -> float:
+        return math.inf
+
+    def has_work(self) -> bool:
+        return True
+
+    def in_hand(self) -> None:
+        return None
+
+    def on_output(self, frames: Any, now: float) -> None:
+        pass
+
+    def end_pass(self) -> None:
+        pass
+
+    def take_effects(self) -> None:
+        return None
+
+
+class _Flood:
+    """An output socket with 64 messages queued at every read, for 10,000 reads."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def receive_nowait(self, limit: int) -> list[list[bytes]]:
+        self.reads += 1
+        if self.reads > 10_000:
+            raise RuntimeError("the dispatcher was never cancelled")
+        return [[b""]] * 64
+
+
+async def test_a_dispatcher_reading_a_flood_can_be_cancelled() -> None:
+    """A group that always has a long batch in hand and 64 messages at every read (a
+    flooding rank): its dispatcher still stops when its group closes. After a pass of
+    32 or more it used to yield only through shielded checkpoints (issue 34's pause of
+    the collector), so it ran on for as long as the flood lasted."""
+    from zmqdp._dispatch import Dispatcher
+
+    flood = _Flood()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            dispatcher = Dispatcher(_BusyCore(), flood, lambda fx, dirty: None)  # type: ignore[arg-type]
+            nursery.start_soon(dispatcher.run)
+            while flood.reads < 10:
+                await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+    assert flood.reads < 20
+
+
+async def test_two_busy_dispatchers_let_the_garbage_collector_run_between_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two groups in one process, each reading 64 messages a pass without a pause: the
+    collector is turned back on between passes. A dispatcher that kept it paused
+    through the consumers' turn after every pass (issue 34) did so while the other
+    group's pass was paused too, each overlapping the other's: the count of pausers
+    never fell to zero, and the collector stayed off for as long as both were busy."""
+    import gc
+
+    from zmqdp._dispatch import Dispatcher
+
+    enables = 0
+    enable = gc.enable
+
+    def counted() -> None:
+        nonlocal enables
+        enables += 1
+        enable()
+
+    monkeypatch.setattr(gc, "enable", counted)
+    was = gc.isenabled()
+    gc.enable()
+    floods = [_Flood(), _Flood()]
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for flood in floods:
+                    dispatcher = Dispatcher(_BusyCore(), flood, lambda fx, dirty: None)  # type: ignore[arg-type]
+                    nursery.start_soon(dispatcher.run)
+                while min(flood.reads for flood in floods) < 100:
+                    await trio.lowlevel.checkpoint()
+                nursery.cancel_scope.cancel()
+    finally:
+        (enable if was else gc.disable)()
+    assert enables >= 50  # (about one per pass of either)
 
 
 # -- threads (issue 24 #10) ----------------------------------------------------------------

@@ -28,8 +28,9 @@ collection of the young generation and, with it, of the older ones holding every
 stream: 39 % of the client's CPU at 256 x 256 on vLLM's wire (issue 21). Paused, the
 collector runs once after the pass instead. Measured with benchmarks/bench_vs_vllm.py
 (P7a, zmqdp's tokens/s +30 %, CPU per token -25 %). After a pass of at least
-`LET_CONSUMERS_TAKE` messages it stays paused for two scheduling rounds, in which the
-woken consumers take their outputs: those they drop are freed by refcount, so the
+`LET_CONSUMERS_TAKE` messages it stays paused for two scheduling rounds (when no
+other pause is open: another group's, another thread's), in which the woken consumers
+take their outputs: those they drop are freed by refcount, so the
 collection that resuming triggers no longer walks (and promotes) a pass's worth of live
 outputs (P7a: the collections' time per round / 3, 2-6 ms of ~100 ms of the client's CPU,
 measured with gc.callbacks; issue 34).
@@ -58,7 +59,7 @@ from collections.abc import Callable
 
 import trio
 
-from ._core.cbor import gc_paused
+from ._core.cbor import gc_paused, gc_pausers
 from ._core.effects import Effects
 from ._core.state import GroupCore
 from ._zmq import ZSocket, ZSocketSet
@@ -148,14 +149,18 @@ class Dispatcher:
                 if trio.current_time() >= core.next_deadline():
                     self._judge_silence()
                 self._carry_out(dirty)
-                if len(messages) >= LET_CONSUMERS_TAKE:
+                if len(messages) >= LET_CONSUMERS_TAKE and gc_pausers() == 1:
                     # The consumers take their outputs before the collector comes back:
                     # outputs taken and dropped are freed by their refcount (each
                     # lowers the young generation's count), so the collection that
                     # re-enabling triggers does not walk and promote a pass's worth of
                     # live outputs (two rounds: trio runs a batch in either order).
+                    # Only while no other pause is open: two busy groups whose paused
+                    # rounds overlapped kept the collector off for as long as both were
+                    # busy. The second round can be cancelled: a group read without a
+                    # pause (a long batch in hand) must still stop when told.
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    await trio.lowlevel.checkpoint()
                     continue
             if core.has_work():
                 await trio.lowlevel.checkpoint()  # consumers and other tasks run

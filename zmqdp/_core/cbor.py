@@ -106,6 +106,11 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
+def gc_pausers() -> int:
+    """How many `gc_paused` blocks are open now, in every thread."""
+    return _gc_pausers
+
+
 def loads(data: bytes | memoryview) -> Any:
     """Decode exactly one CBOR item with §8's rules (but see `check_value` for opaque
     values). Raises `ProtocolError` and nothing else."""

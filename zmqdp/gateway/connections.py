@@ -325,9 +325,10 @@ def _install_tcp_server() -> None:
             """hypercorn's, but the bytes go out at once, with no checkpoint, while no
             other write waits for the socket (`send_lock` free): what the socket takes
             now is written by a plain `os.write`, and only a rest it cannot take yet
-            goes hypercorn's way, under the lock, shielded. Order holds (a later write
+            goes hypercorn's way, under the lock, shielded (and its wait for the lock
+            too: a cancelled task's rest is not dropped). Order holds (a later write
             finds the lock taken and queues behind that rest), and a write never stops
-            halfway (it is synchronous). A closed or shut-down socket goes hypercorn's
+            halfway. A closed or shut-down socket goes hypercorn's
             way too, which reports it."""
             fd = self._fd
             if fd >= 0 and type(event) is RawData and not self.send_lock.locked():
@@ -343,7 +344,14 @@ def _install_tcp_server() -> None:
                         return
                     if sent == len(data):
                         return
-                    event = RawData(data=bytes(memoryview(data)[sent:]))
+                    if sent:
+                        # part of it is out: the rest must follow, cancelled or not (the
+                        # lock's cancellation check would drop it: half a chunk, then
+                        # the next write's bytes)
+                        event = RawData(data=bytes(memoryview(data)[sent:]))
+                        with trio.CancelScope(shield=True):
+                            await super().protocol_send(event)
+                        return
             await super().protocol_send(event)
 
     setattr(hypercorn_run, "TCPServer", ZmqdpTCPServer)  # noqa: B010 - not exported
