@@ -147,3 +147,22 @@ def test_the_banner_says_insecure_for_tcp_and_curve_with_keys() -> None:
         "EngineGroup.connect('tcp://127.0.0.1:5555', 2, curve=zmqdp.keys.load_client_keys('/k/g1'))"
     )
     assert "rank(s) 1 of a lockstep group of 2" in keys
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--stream-interval", "0", "must be 1 or more, not 0"),
+        ("--max-buffered", "-1", "must be 0 or more, not -1"),
+    ],
+)
+def test_serve_refuses_an_out_of_range_count_at_the_command_line(
+    option: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by argparse (exit status 2, the option named), before anything starts: it
+    used to fail at the lifespan's start-up with a ValueError, after "Running on"."""
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--mock", option, value])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: {says}" in err

@@ -525,3 +525,41 @@ async def test_a_tls_connection_keeps_hypercorns_write_path(tmp_path: Path) -> N
     assert data.endswith(b"\r\n0\r\n\r\n")
     assert all(b"\r\n" + chunk + b"\r\n" in data for chunk in chunks)
     assert direct and set(direct) == {-1}  # never the socket's own descriptor
+
+
+async def test_a_body_sent_after_its_response_ended_never_reaches_the_next_one() -> None:
+    """An app that sends more body after its response's last message (an embedder's
+    bug; hypercorn drops it) while the connection already streams the next pipelined
+    response: the stray part must not be framed into that response (the chunk short cut
+    looks at the connection's current response, so it must know its own ended). Fast
+    paths only: hypercorn's own path reads no next request before the app returns."""
+    second_started = trio.Event()
+    stray_sent = trio.Event()
+
+    async def app(scope: Mapping[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        if scope["path"] == "/first":
+            await send(start)
+            await send({"type": "http.response.body", "body": b"one", "more_body": False})
+            await second_started.wait()
+            try:  # (hypercorn refuses a message after the response's end)
+                await send({"type": "http.response.body", "body": b"STRAY", "more_body": True})
+            finally:
+                stray_sent.set()
+        else:
+            await send(start)
+            await send({"type": "http.response.body", "body": b"two", "more_body": True})
+            second_started.set()
+            await stray_sent.wait()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    requests = (
+        b"GET /first HTTP/1.1\r\nhost: x\r\n\r\n"
+        b"GET /second HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    )
+    with trio.fail_after(LIMIT):
+        async with hypercorn_on(app, fast=True) as served:
+            data = await raw_answer(served.address, requests)
+    assert b"STRAY" not in data
+    assert data.count(b"HTTP/1.1 200 ") == 2

@@ -442,15 +442,20 @@ class _ChunkedBodies:
             await self.app(scope, receive, send, sync_spawn, call_soon)
             return
         server, chunk_of, request_read = self.server, self.framer.chunk_of, self.framer.request_read
+        ended = False  # this request's last body message was sent
 
         async def send_chunk(message: Any) -> None:
-            if message["type"] == "http.response.body":
+            nonlocal ended
+            if message["type"] == "http.response.body" and not ended:
                 if message.get("more_body"):
                     body = message.get("body")
+                    # (never after this response's end: the connection's current
+                    # response may then be the next pipelined request's)
                     if body and (event := chunk_of(server, body)) is not None:
                         await server.protocol_send(event)
                         return
                 else:
+                    ended = True
                     await request_read(server)
             await send(message)
 

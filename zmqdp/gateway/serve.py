@@ -83,6 +83,22 @@ ROUTING = ("speed", "least-loaded")
 """`--routing`: the values `ConnectOptions.routing` accepts."""
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (refused at the command line, not at start-up)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def _natural_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's options."""
     group = parser.add_argument_group("engine group")
@@ -156,14 +172,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-buffered",
-        type=int,
+        type=_natural_int,
         default=DEFAULT_MAX_BUFFERED,
         help="outputs a stream holds for a client that does not read; past it the request "
         "is aborted (0: no limit)",
     )
     group.add_argument(
         "--stream-interval",
-        type=int,
+        type=_positive_int,
         default=1,
         metavar="N",
         help="engine steps per wake-up of a stream (vLLM's --stream-interval): the first "
