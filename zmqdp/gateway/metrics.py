@@ -145,6 +145,28 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+class _Monotonic:
+    """A counter per rank that never goes down, from a count that restarts with each of
+    the rank's incarnations (`RankStatistics.batches`): a scrape that finds the count
+    lower than the last one adds the last one to the rank's carried total. (A restart
+    whose new count has already passed the old one between two scrapes is not seen;
+    the series then only undercounts, and stays monotonic.) Prometheus and aiperf read a
+    drop as a counter reset and warn."""
+
+    __slots__ = ("_carried", "_last")
+
+    def __init__(self) -> None:
+        self._carried: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+
+    def total(self, rank: int, count: int) -> int:
+        last = self._last.get(rank, 0)
+        if count < last:
+            self._carried[rank] = self._carried.get(rank, 0) + last
+        self._last[rank] = count
+        return self._carried.get(rank, 0) + count
+
+
 class GatewayCollector(Collector):
     """Renders `statistics()`, `health()` and the `HTTPCounters` at every scrape.
     `stats` and `health` return None while there is no group (before startup)."""
@@ -160,6 +182,8 @@ class GatewayCollector(Collector):
         self._http = http
         self.vllm_names: str | None = None
         """A model name: also export the `vllm:` series vLLM's dashboards read."""
+        self._batches = _Monotonic()
+        self._protocol_errors = _Monotonic()
 
     def collect(self) -> Iterator[Metric]:
         yield from self._gateway()
@@ -247,12 +271,12 @@ class GatewayCollector(Collector):
         queued = family("zmqdp_rank_queued_messages", "Messages waiting to be sent to the rank.")
         batches = CounterMetricFamily(
             "zmqdp_rank_batches",
-            "Valid batches received from the rank's current incarnation.",
+            "Valid batches received from the rank (every incarnation this gateway saw).",
             labels=["rank"],
         )
         errors = CounterMetricFamily(
             "zmqdp_rank_protocol_errors",
-            "The rank's invalid messages and malformed entries (current incarnation).",
+            "The rank's invalid messages and malformed entries (every incarnation).",
             labels=["rank"],
         )
         ttft = _histogram("zmqdp_rank_ttft", "Seconds from submit to the first output, by rank.")
@@ -269,8 +293,8 @@ class GatewayCollector(Collector):
             running.add_metric(label, r.load.running)
             kv.add_metric(label, r.load.kv)
             queued.add_metric(label, r.queued)
-            batches.add_metric(label, r.batches)
-            errors.add_metric(label, r.protocol_errors)
+            batches.add_metric(label, self._batches.total(r.rank, r.batches))
+            errors.add_metric(label, self._protocol_errors.total(r.rank, r.protocol_errors))
             _add_histogram(ttft, label[0], r.ttft)
             _add_histogram(latency, label[0], r.latency)
         yield from (up, inflight, cap, waiting, running, kv, queued, batches, errors)
