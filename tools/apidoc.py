@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import itertools
 import pkgutil
 import sys
 import warnings
@@ -109,8 +110,9 @@ def _defining_docstring(module: str, name: str) -> str:
     import pdoc.doc
 
     value = getattr(sys.modules[module], name)
+    package = module.split(".")[0]
     for other, mod in sorted(sys.modules.items()):
-        if other == module or not other.startswith(PACKAGE + ".") or mod is None:
+        if other == module or not other.startswith(package + ".") or mod is None:
             continue
         if vars(mod).get(name, None) is value:
             with warnings.catch_warnings():
@@ -126,8 +128,10 @@ def _source_docstrings(cls: type) -> dict[str, str]:
     looks for a class's source in `cls.__module__`, which `zmqdp` rewrites for the
     classes it reports as its own (`zmqdp.RankState`, `zmqdp.Outcome`), so it finds none
     of their members' docstrings."""
+    package = cls.__module__.split(".")[0]
     for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith(PACKAGE) and vars(mod).get(cls.__name__) is cls:
+        name = getattr(mod, "__name__", "")
+        if name.split(".")[0] == package and vars(mod).get(cls.__name__) is cls:
             try:
                 tree = ast.parse(inspect.getsource(mod))
             except (OSError, TypeError):
@@ -141,7 +145,7 @@ def _source_docstrings(cls: type) -> dict[str, str]:
 def _attribute_docstrings(node: ast.ClassDef) -> dict[str, str]:
     """`name = ...` or `name: T` followed by a string: {name: string}."""
     found: dict[str, str] = {}
-    for before, after in zip(node.body, node.body[1:], strict=False):
+    for before, after in itertools.pairwise(node.body):
         if not (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
             continue
         if not isinstance(after.value.value, str):
