@@ -85,7 +85,7 @@ PENDING = frozenset(
 while it is missing. LEAD: empty this set once they are merged."""
 DEFAULT_TIMEOUT = 30.0
 MOCK_URL = "ipc:///tmp/zmqdp-g1/g"
-"""The URL the README's snippets use; `mock=N` replaces it with a private one."""
+"""The URL the snippets use; `mock=N` replaces it with a private one."""
 PYTHON = frozenset({"python", "py", "python3"})
 SHELL = frozenset({"sh", "bash", "shell"})
 PRELUDE = 'from zmqdp import *\nimport trio\nbody = {"prompt": [1, 2, 3], "max_tokens": 8}\n'
