@@ -1,6 +1,7 @@
-"""tools/readme_snippets.py, the README's snippet runner (CI runs it on the README): its
-extractor, its markers, its command splitting and its check of undefined names. One test
-runs two tiny python blocks (a subprocess each, no engines)."""
+"""tools/readme_snippets.py, the snippet runner and link checker of the README and the
+docs (CI runs it): its extractor, its markers, its command splitting, its check of
+undefined names, its link and anchor check, and the real documents' blocks and links.
+One test runs two tiny python blocks (a subprocess each, no engines)."""
 
 from __future__ import annotations
 
@@ -140,12 +141,8 @@ def test_a_block_runs_without_the_prelude_unless_marked_fragment(tmp_path: Path)
     assert rs.run_block(fragment, readme).status == "PASS"
 
 
-def test_the_readme_parses_and_its_python_blocks_compile() -> None:
-    """What CI runs: every marker well formed, every python block valid Python (an async
-    block compiles with top-level await) that names nothing it does not define or
-    import (skipped blocks too: a reader copies them), every block that connects to the
-    README's URL gets a mock group, and the README still starts with its two
-    commands."""
+def test_the_readme_starts_with_its_two_commands() -> None:
+    """The README opens with its two set-up commands, and no other block is one."""
     blocks = rs.extract((ROOT / "README.md").read_text())
     first = [line.partition("#")[0].strip() for line in blocks[0].code.splitlines()]
     assert first == ["python3 dev.py demo", "python3 dev.py check"]
@@ -153,12 +150,67 @@ def test_the_readme_parses_and_its_python_blocks_compile() -> None:
     assert not any(rs.is_setup(b) for b in blocks[1:])
     head = (ROOT / "README.md").read_text().splitlines()
     assert [line for line in head[: blocks[0].line] if line.strip()] == ["# zmqdp", "```sh"]
-    for block in blocks:
+
+
+@pytest.mark.parametrize("path", rs.documents(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_each_document_parses_and_its_python_blocks_compile(path: Path) -> None:
+    """What CI runs, for README.md and every guide: every marker well formed, every
+    python block valid Python (an async block compiles with top-level await) that names
+    nothing it does not define or import (skipped blocks too: a reader copies them),
+    and every block that connects to the docs' URL gets a mock group."""
+    name = path.relative_to(ROOT).as_posix()
+    for block in rs.extract(path.read_text()):
         if block.lang in rs.PYTHON:
-            compile(block.code, f"README.md:{block.line}", "exec", ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+            compile(block.code, f"{name}:{block.line}", "exec", ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
             if not block.options.fragment:
                 missing = rs.undefined_names(block.code)
-                assert not missing, f"README.md:{block.line} uses {missing} undefined"
+                assert not missing, f"{name}:{block.line} uses {missing} undefined"
         connects = rs.MOCK_URL in block.code and ".connect(" in block.code
         if block.options.skip is None and connects:
-            assert block.options.mock, f"README.md:{block.line} connects with no mock group"
+            assert block.options.mock, f"{name}:{block.line} connects with no mock group"
+
+
+def test_the_documents_are_the_readme_and_every_markdown_file_under_docs() -> None:
+    found = [p.relative_to(ROOT).as_posix() for p in rs.documents()]
+    assert found[0] == "README.md"
+    assert {"docs/protocol.md", "docs/index.md", "docs/guides/client.md"} <= set(found)
+
+
+def test_no_relative_link_of_the_readme_or_the_docs_is_broken() -> None:
+    broken = [line for path in rs.documents() for line in rs.links(path)]
+    assert broken == []
+
+
+def test_broken_links_and_anchors_are_named_and_code_and_comments_skipped(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "other.md").write_text(
+        "# Other\n\n## The core (`zmqdp/_core/`)\n\n## Twice\n## Twice\n"
+    )
+    page = tmp_path / "guides" / "page.md"
+    page.write_text(
+        "# Page\n"
+        "[ok](../other.md) [ok](../other.md#the-core-zmqdp_core) [ok](../other.md#twice-1)\n"
+        "[ok](#page) ![ok](../other.md) [ok](https://example.com/x.md) [ok](mailto:a@b)\n"
+        "[gone](missing.md) and [bad anchor](../other.md#nowhere) and [here](#nope)\n"
+        "`[in code](missing.md)`\n"
+        "<!-- [in a comment](missing.md) -->\n"
+        "```md\n[in a block](missing.md)\n```\n"
+        "![gone too](img/x.png)\n"
+    )
+    found = rs.links(page)
+    assert [line.partition(": ")[2] for line in found] == [
+        "missing.md: no such file",
+        "../other.md#nowhere: no heading #nowhere there",
+        "#nope: no heading #nope there",
+        "img/x.png: no such file",
+    ]
+    assert [line.split(":")[1] for line in found] == ["4", "4", "4", "10"]
+
+
+def test_slugs_follow_github() -> None:
+    assert rs.slug("The core (`zmqdp/_core/`)") == "the-core-zmqdp_core"
+    assert rs.slug("Open files: a full descriptor table") == "open-files-a-full-descriptor-table"
+    assert rs.slug("vLLM's own DP client (P7)") == "vllms-own-dp-client-p7"
+    assert rs.slug("2.1 Messages") == "21-messages"

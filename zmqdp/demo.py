@@ -412,7 +412,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover
         print(
             "the demo needs rich, in the demo extra: pip install -e '.[demo]' in the "
-            "clone, or pip install '/path/to/zmqdp[demo]' (README.md, Install)",
+            "clone, or pip install '/path/to/zmqdp[demo]' (docs/guides/install.md)",
             file=sys.stderr,
         )
         return 2

@@ -128,10 +128,14 @@ __all__ = [
 log = logging.getLogger("zmqdp.engine")
 
 Inbound = RequestMessage | Resync
+"""What iterating an `Engine` yields: a request message (`Add`, `Abort`, `Wake`, `Call`)
+or `Resync` (the client asked the engine to start over)."""
 
 
 @dataclass(frozen=True, slots=True)
 class EngineStatistics:
+    """What an engine's side of the connection has seen: `Engine.statistics()`."""
+
     handshakes: int
     """Completed handshakes (INIT accepted, READY sent), the first one included."""
     received: int
@@ -301,6 +305,7 @@ class Engine(metaclass=NoPublicConstructor):
         await self._out_send.send(_Queued(self._incarnation, [list(frames)]))
 
     def statistics(self) -> EngineStatistics:
+        """Counters since `connect_engine`, for tests and monitoring."""
         sockets = [s for s in (self._handshake, self._input, self._output) if s is not None]
         return EngineStatistics(
             handshakes=self._handshakes,
@@ -548,6 +553,8 @@ class Engine(metaclass=NoPublicConstructor):
                         )
 
     def close(self) -> None:
+        """Close the sockets at once (linger 0) and the context; `connect_engine`'s block
+        does it on leaving."""
         if self._monitor is not None:
             self._handshake.sock.disable_monitor()
             self._monitor.close()

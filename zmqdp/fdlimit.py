@@ -15,7 +15,7 @@ corrupt memory). `EngineGroup.connect` does so unless
 
 Raising the soft limit is not a bound: a process of the same user can still open more
 connections to an ipc URL than the hard limit leaves, and libzmq has no accept cap to
-stop it (README, "Open files: a full descriptor table"). A gateway bounds its own HTTP connections
+stop it (docs/guides/security.md, "Open files"). A gateway bounds its own HTTP connections
 (`zmqdp.gateway.connections`), which is what a remote client can open.
 """
 

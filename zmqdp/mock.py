@@ -103,6 +103,9 @@ class RankFaults:
 
 @dataclass(frozen=True)
 class MockConfig:
+    """A mock engine group: what `zmqdp mock`'s options set (`zmqdp mock --help` says
+    what each does), for `run_mock_group` and `mock_process`."""
+
     engines: int = 2
     lockstep: bool = False
     step_time: float = 0.01

@@ -112,10 +112,20 @@ class Request:
     `ConnectOptions.stream_interval` for this request alone (None: the group's)."""
 
     id: str
+    """Yours: unique among live requests, a non-empty str of at most 512 characters;
+    reusable as soon as the request ends (the wire uses `RequestStream.wire_id`)."""
     body: Any = None
+    """What the engine takes (the mock: `{"prompt": [ids], "max_tokens": k}`), any value
+    with a CBOR form (docs/protocol.md §8) whose ADD fits the engine's `max_message_size`."""
     rank: int | None = None
+    """Pin the request to this rank (`InvalidRank` if it is outside the group or down);
+    None: the group's routing chooses."""
     timeout: float | None = None
+    """Seconds from submit to the request's deadline (None: the group's
+    `request_timeout`): past it the request is aborted on its rank and its stream raises
+    `RequestTimeout`."""
     stream_interval: int | None = None
+    """`ConnectOptions.stream_interval` for this request alone (None: the group's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +133,11 @@ class EngineInfo:
     """One rank as the client sees it."""
 
     rank: int
+    """The rank, 0 .. size - 1: the engine's routing identity on the wire."""
     info: Mapping[str, Any]
     """The free-form metadata of its READY (model, `max_num_seqs`, ...), as sent."""
     state: RankState
+    """Whether it takes requests now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +145,9 @@ class RankStatistics:
     """One rank in `GroupStatistics`."""
 
     rank: int
+    """The rank, 0 .. size - 1."""
     state: RankState
+    """UP (takes requests) or DOWN (dead, rejoining or not yet back)."""
     inflight: int
     """Requests this client has live on the rank."""
     load: Load
@@ -162,7 +176,9 @@ class GroupStatistics:
     """A snapshot of `EngineGroup.statistics()`: per rank, then counters since connect."""
 
     ranks: tuple[RankStatistics, ...]
+    """One `RankStatistics` per rank, in rank order."""
     lockstep: bool
+    """Whether the ranks step together (MoE): one rank's death fails the group."""
     wave: int | None
     """The wave clock (lockstep groups), else None."""
     submitted: int
@@ -250,8 +266,11 @@ class GroupHealth:
     ready: bool
     """Live, not draining, and at least one rank up: send it traffic."""
     draining: bool
+    """`drain()` was called: no new requests."""
     ranks_up: int
+    """Ranks that take requests now."""
     size: int
+    """Ranks in the group, up or not."""
     inflight: int
     """Live requests."""
     room: int | None

@@ -171,11 +171,16 @@ class Output(msgspec.Struct, gc=False):
     """
 
     request_id: str
+    """Your `Request.id` (the wire id, as decoded, until the core renames it)."""
     body: Any = None
+    """The engine's output (the mock: `{"tokens": [...]}`; vLLM: a `VllmOutput`)."""
     finish: str | None = None
+    """None while the request runs; the finish reason ("stop", "length", "abort",
+    "error"...) on its last output."""
 
     @property
     def terminal(self) -> bool:
+        """Whether this is the request's last output (`finish` is set)."""
         return self.finish is not None
 
     def __iter__(self) -> Iterator[Any]:
@@ -187,8 +192,11 @@ class Load:
     """A rank's scheduler snapshot. `kv` is the KV-cache usage fraction (NaN if unknown)."""
 
     waiting: int = 0
+    """Requests queued on the engine, not yet scheduled."""
     running: int = 0
+    """Requests the engine is running."""
     kv: float = 0.0
+    """The fraction of the KV cache in use, 0 to 1 (NaN: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,9 +40,14 @@ class HistogramSnapshot:
     `counts[-1]` (one more than `buckets`) were above the last bound."""
 
     buckets: tuple[float, ...]
+    """The upper bounds, ascending, in the histogram's unit (seconds for TTFT and
+    latency)."""
     counts: tuple[int, ...]
+    """Observations per bucket (not cumulative); the last entry is the +Inf bucket."""
     sum: float
+    """The sum of every observation."""
     count: int
+    """How many observations (the sum of `counts`)."""
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations <= it) pairs, ending with (inf, count): the

@@ -67,16 +67,25 @@ H = TypeVar("H")
 
 
 class Outcome(enum.Enum):
-    """How a request ended."""
+    """How a request ended (`RequestStream.outcome`): every request ends exactly once,
+    with one of these, and `GroupStatistics` counts each."""
 
     FINISHED = "finished"
+    """Its terminal output arrived (`GroupStatistics.finished`)."""
     TRUNCATED = "truncated"
+    """The engine listed it in `finished` with no terminal output: `StreamTruncated`."""
     ABORTED = "aborted"
+    """`abort()`, or its stream's block was left early or cancelled: `RequestAborted`."""
     ROLLED_BACK = "rolled back"
+    """`submit` refused it after all (no wire form, an ADD too large): nothing was sent."""
     PROTOCOL_ERROR = "protocol error"
+    """A malformed entry named it (docs/protocol.md §7): `ProtocolError`."""
     OVERFLOWED = "overflowed"
+    """Its reader fell `max_buffered` outputs behind; aborted: `StreamOverflow`."""
     TIMED_OUT = "timed out"
+    """Its deadline passed; aborted on its rank: `RequestTimeout`."""
     FAILED = "failed"
+    """Its rank died or the group closed: `EngineDead` or `GroupClosed`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,7 +91,9 @@ class Wire(Protocol[R_contra]):
         `ProtocolError` if `body` has no wire form."""
         ...
 
-    def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]: ...
+    def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
+        """ABORT of `wire_ids` (docs/protocol.md §3), as sent to their rank."""
+        ...
 
     def encode_wake(self, wave: int) -> list[bytes]:
         """WAKE(wave) (docs/protocol.md §5), as sent to each rank or published."""
@@ -147,18 +149,23 @@ class NativeWire:
             ) from None
 
     def encode_add(self, wire_id: str, body: Any, wave: int) -> tuple[bytes, bytes]:
+        """`Wire.encode_add`: `Add(wire_id, body)` in CBOR (§3); `wave` is not sent."""
         return encode_request(Add(wire_id, body))
 
     def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
+        """`Wire.encode_abort`: one ABORT naming every id (§3)."""
         return encode_request(Abort(wire_ids))
 
     def encode_wake(self, wave: int) -> list[bytes]:
+        """`Wire.encode_wake`: WAKE(wave) (§5), sent to each rank."""
         return list(encode_request(Wake(wave)))
 
     def encode_call(self, call_id: int, method: str, args: tuple[Any, ...]) -> Sequence[bytes]:
+        """`Wire.encode_call`: CALL (§3); `ProtocolError` for arguments with no CBOR form."""
         return encode_request(Call(call_id, method, args))
 
     def new_call_id(self, taken: Container[int]) -> int:
+        """`Wire.new_call_id`: the next free count (call ids are only unique per client)."""
         while (call_id := next(self._call_ids)) in taken:
             pass
         return call_id
@@ -178,7 +185,9 @@ class NativeWire:
     def decode_batch(
         self, body: bytes, slice_entries: int
     ) -> tuple[OutputBatch, EntryCursor | None]:
+        """`Wire.decode_batch`: the batch, its entries past `slice_entries` left to the cursor."""
         return decode_batch_sliced(body, slice_entries)
 
     def batch_decoder(self, body: bytes, judge: Any) -> BatchDecoder:
+        """`Wire.batch_decoder`: decodes a long batch in slices (`Incoming.body`)."""
         return BatchDecoder(body, judge)

@@ -95,7 +95,9 @@ class StreamLike(Protocol):
         tb: TracebackType | None,
     ) -> None: ...
 
-    async def receive_batch(self) -> list[Output]: ...
+    async def receive_batch(self) -> list[Output]:
+        """Every output buffered so far (at least one), as `RequestStream.receive_batch`."""
+        ...
 
 
 class GroupLike(Protocol):
@@ -109,13 +111,21 @@ class GroupLike(Protocol):
         """`request`: what the group's wire takes (the gateway's `Frontend` builds it)."""
         ...
 
-    async def wait_submit(self, request: Any) -> StreamLike: ...
+    async def wait_submit(self, request: Any) -> StreamLike:
+        """`submit`, waiting for room first (`EngineGroup.wait_submit`)."""
+        ...
 
-    async def drain(self, timeout: float | None = None) -> None: ...  # noqa: ASYNC109
+    async def drain(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """No new requests; let the live ones finish, then close (`EngineGroup.drain`)."""
+        ...
 
-    def health(self) -> GroupHealth: ...
+    def health(self) -> GroupHealth:
+        """`EngineGroup.health()`: what `/health` and `/ready` answer."""
+        ...
 
-    def statistics(self) -> GroupStatistics: ...
+    def statistics(self) -> GroupStatistics:
+        """`EngineGroup.statistics()`: what `/metrics` exports."""
+        ...
 
 
 class EventLike(Protocol):

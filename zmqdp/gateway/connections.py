@@ -160,6 +160,7 @@ class ConnectionCap:
         return True
 
     def release(self) -> None:
+        """A connection taken with `admit` closed: its place is free again."""
         self.open -= 1
 
     def refusal(self) -> bytes:

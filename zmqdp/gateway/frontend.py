@@ -174,6 +174,7 @@ class MockFrontend:
         return "\n".join([*lines, "assistant:"])
 
     def prepare(self, request: CompletionRequest) -> Prepared:
+        """`Frontend.prepare`: the prompt's UTF-8 bytes as its token ids (no tokenizer)."""
         prompt = request.prompt
         try:
             tokens = prompt.encode() if isinstance(prompt, str) else prompt

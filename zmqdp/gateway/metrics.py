@@ -121,6 +121,7 @@ class HTTPCounters:
             self.time_per_output_token.observe((last - first) / (tokens - 1))
 
     def observe_duration(self, route: str, seconds: float) -> None:
+        """One request's end-to-end seconds on `route` (its histogram made on first use)."""
         histogram = self.durations.get(route)
         if histogram is None:
             histogram = self.durations[route] = Histogram()

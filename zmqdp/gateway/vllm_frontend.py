@@ -262,6 +262,9 @@ class VllmFrontend:
             raise ValueError("the prompt is not valid Unicode (a lone surrogate)") from None
 
     def prepare(self, request: CompletionRequest) -> Prepared:
+        """`Frontend.prepare`: the prompt tokenized (or its token ids checked against the
+        vocabulary), the sampling fields as vLLM's `SamplingParams`; a `ValueError` (400) for
+        a prompt plus `max_tokens` past the model's length."""
         from ..vllm import SamplingParams, VllmRequest
 
         model = self.model

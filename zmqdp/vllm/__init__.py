@@ -1,7 +1,7 @@
 """Drive a data-parallel group of vLLM 0.32 or 0.33 engine cores (``vllm serve MODEL --headless
 --data-parallel-size N ...``) with zmqdp's `EngineGroup`: `zmqdp.vllm.connect(...)`, or
 `dialect(...)` for `zmqdp.aio` and the gateway. Needs the ``vllm`` extra (msgspec,
-vLLM's own serializer). See README "Driving vLLM engines".
+vLLM's own serializer). See docs/guides/vllm.md.
 
 What vLLM changes, by file: `wire.py` (requests, outputs, waves, calls), `codec.py` (the
 msgspec frames), `handshake.py` (the start-up handshake), `sockets.py` (the frontend's

@@ -136,6 +136,9 @@ class VllmWire:
     def prepare(
         self, request: VllmRequest, infos: Sequence[Mapping[str, Any]], wall_time: float
     ) -> Prepared:
+        """`Wire.prepare`: a `VllmRequest` as vLLM's frontend would send it, with the ranks'
+        ready responses (`max_tokens=None` becomes the room left in `max_model_len`; a prompt
+        that leaves none raises `InvalidRequest`)."""
         if not isinstance(request, VllmRequest):
             raise InvalidRequest(
                 str(getattr(request, "id", "?")),
@@ -184,9 +187,11 @@ class VllmWire:
         )
 
     def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
+        """`Wire.encode_abort`: vLLM's ABORT request type with the wire ids."""
         return encode_abort(wire_ids)
 
     def encode_wake(self, wave: int) -> list[bytes]:
+        """`Wire.encode_wake`: START_DP_WAVE(wave), published once on the coordinator XPUB."""
         return encode_start_dp_wave(*start_dp_wave(wave))
 
     def encode_call(self, call_id: int, method: str, args: tuple[Any, ...]) -> Sequence[bytes]:
@@ -194,6 +199,7 @@ class VllmWire:
         return encode_utility(call_id, method, args)
 
     def new_call_id(self, taken: Container[int]) -> int:
+        """`Wire.new_call_id`: a random uint64, as vLLM's `call_utility` draws them."""
         while (call_id := secrets.randbits(64)) in taken:
             pass
         return call_id
@@ -229,7 +235,9 @@ class VllmWire:
     def decode_batch(
         self, body: bytes, slice_entries: int
     ) -> tuple[OutputBatch, EntryCursor | None]:
+        """Never called: vLLM's outputs are decoded whole by `read` (msgspec)."""
         raise ProtocolError("vLLM's outputs are decoded whole by `read`")
 
     def batch_decoder(self, body: bytes, judge: Any) -> BatchDecoder:
+        """Never called: vLLM's outputs are decoded whole by `read` (msgspec)."""
         raise ProtocolError("vLLM's outputs are decoded whole by `read`")
