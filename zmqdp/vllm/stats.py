@@ -146,6 +146,7 @@ class EngineStats:
             return
         now = float(timestamp) if type(timestamp) in (int, float) else 0.0
         requests = self._requests
+        itl = r.inter_token_latency.observe
         new_tokens = computed = 0
         for o in outputs:
             rid = o.request_id
@@ -161,7 +162,7 @@ class EngineStats:
             if o.prefill_stats is not None:
                 computed += self._prefill(r, state, o.prefill_stats)
             if state.outputs:  # (vLLM's `is_prefilling` is "no output yet")
-                r.inter_token_latency.observe(now - state.last)
+                itl(now - state.last)
             else:
                 state.first = now
             state.last = now
