@@ -332,6 +332,15 @@ class GatewayCollector(Collector):
             buckets = [(_le(bound), float(n)) for bound, n in snap.cumulative()]
             durations.add_metric([route], buckets, snap.sum)
         yield durations
+        tpot = HistogramMetricFamily(
+            "zmqdp_gateway_time_per_output_token",
+            "Per answer of more than one token: seconds from its first token to its last, "
+            "over tokens - 1 (as the gateway saw them come).",
+            unit="seconds",
+        )
+        snap = http.time_per_output_token.snapshot()
+        tpot.add_metric([], [(_le(bound), float(n)) for bound, n in snap.cumulative()], snap.sum)
+        yield tpot
 
     def _group_health(self, health: GroupHealth) -> Iterator[Metric]:
         yield _gauge(
