@@ -8,6 +8,7 @@ engines' events, prefill stats and scheduler stats (tests/fakes/vllm.py)."""
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,32 @@ NOT_EXPORTED = {
 }
 """vLLM's families the gateway leaves out, each for the reason docs/guides/metrics.md
 gives (a test there keeps the two lists equal)."""
+
+VLLM_DASHBOARD = {
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+}
+"""The series vLLM's example Grafana dashboard queries
+(examples/observability/prometheus_grafana/grafana.json in vLLM's repository)."""
 
 PROMPTS = ["x", "hello", "a b c", "zz"]
 
@@ -109,6 +136,27 @@ async def test_the_vllm_families_have_vllms_names_types_labels_and_buckets() -> 
             if bounds == "1-2-5 to max_model_len":
                 bounds = list(build_1_2_5_buckets(MAX_MODEL_LEN))
             assert _buckets(family) == {"0": bounds, "1": bounds}, name
+
+
+async def test_vllms_own_dashboard_finds_every_series_it_queries() -> None:
+    """vLLM's example dashboard works on the gateway as it is: each series it queries
+    is on the page, by ``model_name``."""
+    metrics, _ = await _scrape(1)
+    exported = {s.name for f in metrics.families.values() for s in f.samples}
+    assert exported >= VLLM_DASHBOARD, sorted(VLLM_DASHBOARD - exported)
+
+
+def test_the_guide_lists_exactly_the_families_left_out() -> None:
+    """docs/guides/metrics.md's "Not exported" table names `NOT_EXPORTED`, each with a
+    reason, and its other tables name every family that is exported."""
+    guide = (Path(__file__).resolve().parents[1] / "docs/guides/metrics.md").read_text()
+    exported_part, _, left_out = guide.partition("### Not exported")
+    left_out = left_out.partition("\n## ")[0]
+    rows = re.findall(r"^\| `(vllm:[a-z0-9_:]+)` \| (.+) \|$", left_out, re.MULTILINE)
+    assert {name for name, _ in rows} == NOT_EXPORTED
+    assert all(len(reason) > 20 for _, reason in rows)
+    named = set(re.findall(r"`(vllm:[a-z0-9_:]+)`", exported_part))
+    assert named >= set(TABLE) - NOT_EXPORTED
 
 
 def _total(metrics: Metrics, name: str, suffix: str = "", **labels: str) -> float:
