@@ -234,6 +234,7 @@ def test_the_phases_of_a_request_are_vllms_intervals_between_engine_clocks() -> 
     stats = EngineStats(max_model_len=100)
     events = [{"type": 1, "timestamp": 1.0}, {"type": 2, "timestamp": 1.5}]
     prefill = {"num_prompt_tokens": 10, "num_computed_tokens": 6, "num_cached_tokens": 4}
+    stats.add("a")
     stats.step(0, 2.0, [_out("a", 1, events=events, prefill=prefill)], None)
     stats.step(0, 2.1, [_out("a", 1, events=[{"type": 3, "timestamp": 2.05}])], None)
     stats.step(0, 2.4, [_out("a", 1, finish=1, events=[{"type": 2, "timestamp": 2.3}])], None)
@@ -257,17 +258,51 @@ def test_the_phases_of_a_request_are_vllms_intervals_between_engine_clocks() -> 
 
 
 def test_an_aborted_request_is_forgotten_and_junk_stats_count_as_absent() -> None:
-    """An abort drops the request's state (its late outputs start a new one, which
-    its finish then drops); stats of the wrong types never raise."""
+    """An abort drops the request's state, and its late outputs are not counted (as
+    those of a request never added); stats of the wrong types never raise."""
     stats = EngineStats()
+    for rid in "abc":
+        stats.add(rid)
     stats.step(0, 1.0, [_out("a", 1)], None)
     stats.forget(["a"])
-    assert not stats._requests
+    stats.step(0, 2.0, [_out("a", 1, 1), _out("z", 5, 1)], None)
+    assert stats.rank(0).generation_tokens == 1
+    assert stats.rank(0).queue_time.snapshot().count == 0
     junk: Any = {"num_running_reqs": "x", "kv_cache_usage": None, "prefix_cache_stats": [1]}
     stats.step(1, "t", [_out("b", 0, 2, events="e", prefill=5), _out("c", 1, events=[3, {}])], junk)
     r = stats.rank(1)
     assert (r.reports, r.running, r.kv_cache_usage, r.prefix_cache_queries) == (1, 0, 0.0, 0)
     assert r.generation_tokens == 1 and set(stats._requests) == {"c"}
+
+
+def test_real_engines_reports_decode_into_vllms_values() -> None:
+    """Messages captured from real vLLM 0.32 engine cores (tests/data/
+    vllm_capture_v0320_dense.json: per rank, a 3-token prompt, 3 tokens, LENGTH): the
+    events (maps of type and timestamp) and PrefillStats (a map, 12th field) are read,
+    and the request's phases are the differences of the engine's own timestamps."""
+    import msgspec
+
+    from zmqdp.vllm.codec import decode_outputs_with_stats
+
+    capture = json.loads((Path(__file__).parent / "data/vllm_capture_v0320_dense.json").read_text())
+    stats = EngineStats(max_model_len=512)
+    stats.add("r0")
+    stats.add("r1")
+    for rank, messages in capture["outputs"].items():
+        for message in messages:
+            batch = decode_outputs_with_stats([msgspec.msgpack.encode(message)], stats, int(rank))
+            assert batch.rank == int(rank)
+        r = stats.rank(int(rank))
+        [first, _, last, _] = messages
+        queued, scheduled = (e["timestamp"] for e in first[1][0][7])
+        assert r.queue_time.snapshot().sum == pytest.approx(scheduled - queued)
+        assert r.prefill_time.snapshot().sum == pytest.approx(first[3] - scheduled)
+        assert r.decode_time.snapshot().sum == pytest.approx(last[3] - first[3])
+        assert r.inter_token_latency.snapshot().count == 2
+        assert (r.prompt_tokens, r.generation_tokens, r.reports) == (3, 3, 4)
+        assert r.prefill_kv_computed.snapshot().sum == 3
+        assert r.iteration_tokens.snapshot().sum == 3 + 3
+    assert not stats._requests
 
 
 async def test_without_vllm_names_the_engines_stats_are_not_decoded() -> None:

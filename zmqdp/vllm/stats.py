@@ -25,8 +25,10 @@ Only engine clocks are subtracted from engine clocks; the frontend-side series (
 first token, end to end, request counts by finish reason) are the gateway's own
 (`zmqdp.gateway.metrics`). The decoder feeds an `EngineStats` only if the wire has one
 (`VllmWire.stats`), so a group without metrics pays nothing per token. A request's state
-is dropped when it finishes or is aborted; a rank that dies leaves its requests' states,
-so at most `MAX_TRACKED` are kept (the oldest go first).
+is made when its ADD is sent and dropped when it finishes or is aborted (the outputs of
+a request it does not know, as those of an aborted one, are not counted, as in vLLM); a
+rank that dies leaves its requests' states, so at most `MAX_TRACKED` are kept (the
+oldest go first).
 """
 
 from __future__ import annotations
@@ -129,6 +131,14 @@ class EngineStats:
             stats = self.ranks[rank] = RankEngineStats(self.token_buckets)
         return stats
 
+    def add(self, request_id: str) -> None:
+        """A request sent to an engine: its outputs are counted from now on (as vLLM's
+        frontend, the outputs of a request it does not know are not counted)."""
+        requests = self._requests
+        if len(requests) >= MAX_TRACKED:
+            del requests[next(iter(requests))]
+        requests[request_id] = _Request()
+
     def forget(self, request_ids: Sequence[str]) -> None:
         """Requests aborted by the client: their later outputs are not theirs to count."""
         for rid in request_ids:
@@ -152,9 +162,7 @@ class EngineStats:
             rid = o.request_id
             state = requests.get(rid)
             if state is None:
-                if len(requests) >= MAX_TRACKED:
-                    del requests[next(iter(requests))]
-                state = requests[rid] = _Request()
+                continue  # aborted, or sent before the stats were kept
             n = len(o.new_token_ids)
             new_tokens += n
             if o.events is not None:

@@ -175,6 +175,8 @@ class VllmWire:
             raise ProtocolError("prompt_token_ids must be a non-empty list of ints >= 0")
         if type(request.priority) is not int:
             raise ProtocolError(f"priority must be an int, got {request.priority!r}")
+        if self.stats is not None:
+            self.stats.add(wire_id)
         return encode_add(
             wire_id,
             tokens,
