@@ -15,6 +15,15 @@ are named after `GroupStatistics` fields; a counter that a later zmqdp adds to
 `GroupStatistics` is exported too (``zmqdp_<field>_total``), with a generic help text,
 so the exposition never silently lags the library.
 
+With vLLM's names (`vllm_names`: ``--vllm-metric-names``, on with ``serve --vllm``) the
+page also has vLLM 0.32's ``vllm:`` families, with its names, types, labels and buckets
+(docs/guides/metrics.md lists them, and those left out). The frontend-side ones come
+from the gateway's answers, counted once per answer by the rank that served it
+(`RankAnswers`); the engine-side ones (queue, prefill and decode time, inter-token
+latency, prefix cache, preemptions, tokens per step) from the engines' own reports,
+which the vLLM wire decodes only once `watch` gave it an `EngineStats`
+(zmqdp/vllm/stats.py): a gateway without vLLM's names pays nothing per token for them.
+
 The collector is registered in the app's own `CollectorRegistry` (several apps in one
 process, as in the tests, do not collide). An embedder that serves its own /metrics adds
 `app.collector` to its registry: ``prometheus_client.REGISTRY.register(app.collector)``.

@@ -29,7 +29,9 @@ waves) applies them unchanged: each `EngineCoreOutput` becomes an `Output` whose
 is a `VllmOutput` (new token ids, vLLM's stop reason) and whose `finish` is vLLM's
 finish reason in lower case ("stop", "length", "abort", "error", "repetition").
 `scheduler_stats` becomes the rank's `Load`; `wave_complete` and `start_wave` feed the
-wave clock; `utility_output` becomes a `Reply`.
+wave clock; `utility_output` becomes a `Reply`. `decode_outputs_with_stats` also reads
+each entry's `events` and `prefill_stats` (five more fields) and counts the message in
+an `EngineStats` (stats.py: vLLM's metrics); plain `decode_outputs` skips them.
 """
 
 from __future__ import annotations
