@@ -13,7 +13,18 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LATENCY_BUCKETS", "Histogram", "HistogramSnapshot"]
+__all__ = [
+    "INTER_TOKEN_LATENCY_BUCKETS",
+    "ITERATION_TOKENS_BUCKETS",
+    "LATENCY_BUCKETS",
+    "REQUEST_LATENCY_BUCKETS",
+    "REQUEST_NUM_PREEMPTIONS_BUCKETS",
+    "REQUEST_PARAMS_N_BUCKETS",
+    "TIME_TO_FIRST_TOKEN_BUCKETS",
+    "Histogram",
+    "HistogramSnapshot",
+    "build_1_2_5_buckets",
+]
 
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.005,
@@ -32,6 +43,49 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     120.0,
     300.0,
 )
+
+# vLLM 0.32's buckets (vllm/v1/metrics/buckets.py), so that the `vllm:` histograms of a
+# zmqdp gateway aggregate with those of vLLM's own frontends (a quantile over a mixed
+# fleet needs the same bounds). tests/data/vllm_metrics.json holds the same table, and
+# tests/real_vllm/test_metrics_table.py compares it with an installed vLLM.
+
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+"""vLLM's e2e, queue, inference, prefill and decode time buckets."""
+
+TIME_TO_FIRST_TOKEN_BUCKETS: tuple[float, ...] = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0),
+    *(7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+"""vLLM's time-to-first-token buckets."""
+
+INTER_TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5),
+    *(10.0, 20.0, 40.0, 80.0),
+)
+"""vLLM's inter-token latency and time-per-output-token buckets."""
+
+ITERATION_TOKENS_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in (0, *range(3, 15)))
+"""vLLM's tokens-per-engine-step buckets: 1, 8, 16, ... 16384."""
+
+REQUEST_PARAMS_N_BUCKETS: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 20.0)
+REQUEST_NUM_PREEMPTIONS_BUCKETS: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's `build_1_2_5_buckets`: its
+    token-count histograms end at the model's `max_model_len`)."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(float(value))
+        exponent += 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -259,6 +259,8 @@ class GatewayApp:
         registry if the embedder serves its own metrics."""
         if kw["vllm_metric_names"]:
             self.collector.vllm_names = self._settings.model
+            dialect = self._connect_options.get("dialect")
+            self.collector.watch(self._settings.frontend, dialect or self._group)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, fds

@@ -465,6 +465,8 @@ class _Response:
         """When its first token came (`time.perf_counter`), 0.0 before."""
         self.finish: str | None = None
         self.created = int(time.time())
+        self.arrived = time.perf_counter()
+        """When the request was parsed and ready to submit (vLLM's `arrival_time`)."""
 
     def _error(self, exc: BaseException) -> HTTPError:
         error = http_error(exc, retry_after=self.settings.retry_after, size=self.group.size)
@@ -525,6 +527,9 @@ class _Response:
                 self.tokens,
                 self.first or now,
                 now,
+                rank=self.rank or 0,
+                arrived=self.arrived,
+                max_tokens=self.request.max_tokens,
             )
 
     async def _complete(self, stream: StreamLike) -> None:

@@ -15,6 +15,15 @@ are named after `GroupStatistics` fields; a counter that a later zmqdp adds to
 `GroupStatistics` is exported too (``zmqdp_<field>_total``), with a generic help text,
 so the exposition never silently lags the library.
 
+With vLLM's names (`vllm_names`: ``--vllm-metric-names``, on with ``serve --vllm``) the
+page also has vLLM 0.32's ``vllm:`` families, with its names, types, labels and buckets
+(docs/guides/metrics.md lists them, and those left out). The frontend-side ones come
+from the gateway's answers, counted once per answer by the rank that served it
+(`RankAnswers`); the engine-side ones (queue, prefill and decode time, inter-token
+latency, prefix cache, preemptions, tokens per step) from the engines' own reports,
+which the vLLM wire decodes only once `watch` gave it an `EngineStats`
+(zmqdp/vllm/stats.py): a gateway without vLLM's names pays nothing per token for them.
+
 The collector is registered in the app's own `CollectorRegistry` (several apps in one
 process, as in the tests, do not collide). An embedder that serves its own /metrics adds
 `app.collector` to its registry: ``prometheus_client.REGISTRY.register(app.collector)``.
@@ -26,6 +35,7 @@ import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -35,10 +45,21 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from .._core.metrics import Histogram, HistogramSnapshot
+from .._core.metrics import (
+    INTER_TOKEN_LATENCY_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    REQUEST_PARAMS_N_BUCKETS,
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+    Histogram,
+    HistogramSnapshot,
+    build_1_2_5_buckets,
+)
 from ..values import GroupHealth, GroupStatistics, RankState
 
-__all__ = ["FINISH_LABELS", "GatewayCollector", "HTTPCounters"]
+if TYPE_CHECKING:
+    from ..vllm.stats import EngineStats, RankEngineStats
+
+__all__ = ["FINISH_LABELS", "GatewayCollector", "HTTPCounters", "RankAnswers"]
 
 REQUEST_COUNTERS: dict[str, str] = {
     "submitted": "Requests accepted by submit (their ADD was queued).",
@@ -85,7 +106,32 @@ value taken from the engine would let it grow the metric series without bound (o
 new series per unique string, kept for the life of the process)."""
 
 TOKEN_BUCKETS: tuple[float, ...] = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
-"""Token-count buckets, 1 to 500,000 in 1-2-5 steps (vLLM's `build_1_2_5_buckets`)."""
+"""Token-count buckets, 1 to 500,000 in 1-2-5 steps (vLLM's `build_1_2_5_buckets`), when
+the model's length is not known; vLLM ends them at its `max_model_len`."""
+
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+"""vLLM's `FinishReason`s: every engine has a ``vllm:request_success`` series for each
+from the start (0 until counted), as in vLLM."""
+
+
+class RankAnswers:
+    """The answers of one rank's requests, as the gateway saw them end (the
+    frontend-side half of vLLM's per-engine metrics: the ``engine`` label)."""
+
+    def __init__(self, token_buckets: tuple[float, ...]) -> None:
+        self.finished: Counter[str] = Counter()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.request_prompt_tokens = Histogram(token_buckets)
+        self.request_generation_tokens = Histogram(token_buckets)
+        self.max_num_generation_tokens = Histogram(token_buckets)
+        self.params_n = Histogram(REQUEST_PARAMS_N_BUCKETS)
+        self.params_max_tokens = Histogram(token_buckets)
+        self.ttft = Histogram(TIME_TO_FIRST_TOKEN_BUCKETS)
+        """Seconds from a request's arrival to its first token."""
+        self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
+        """Seconds from a request's arrival to its last output."""
+        self.time_per_output_token = Histogram(INTER_TOKEN_LATENCY_BUCKETS)
 
 
 class HTTPCounters:
@@ -109,16 +155,53 @@ class HTTPCounters:
         self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
         self.time_per_output_token = Histogram()
         """Per request: seconds from its first token to its last, over tokens - 1."""
+        self.token_buckets = TOKEN_BUCKETS
+        """The buckets of the per-rank token-count histograms (vLLM's: 1-2-5 up to the
+        model's length; set before the first answer)."""
+        self.ranks: dict[int, RankAnswers] = {}
+
+    def rank(self, rank: int) -> RankAnswers:
+        answers = self.ranks.get(rank)
+        if answers is None:
+            answers = self.ranks[rank] = RankAnswers(self.token_buckets)
+        return answers
 
     def observe_answer(
-        self, finish: str, prompt_tokens: int, tokens: int, first: float, last: float
+        self,
+        finish: str,
+        prompt_tokens: int,
+        tokens: int,
+        first: float,
+        last: float,
+        *,
+        rank: int = 0,
+        arrived: float | None = None,
+        max_tokens: int | None = None,
     ) -> None:
-        """One answer that ended (`first`, `last`: when its first and last tokens came)."""
-        self.finished[finish if finish in FINISH_LABELS else "other"] += 1
+        """One answer that ended (`first`, `last`: when its first and last tokens came;
+        `arrived`: when the request did, the same clock; `rank`: where it ran)."""
+        label = finish if finish in FINISH_LABELS else "other"
+        self.finished[label] += 1
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(tokens)
+        tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
         if tokens > 1:
-            self.time_per_output_token.observe((last - first) / (tokens - 1))
+            self.time_per_output_token.observe(tpot)
+        r = self.rank(rank)
+        r.finished[label] += 1
+        r.prompt_tokens += prompt_tokens
+        r.generation_tokens += tokens
+        r.request_prompt_tokens.observe(prompt_tokens)
+        r.request_generation_tokens.observe(tokens)
+        r.max_num_generation_tokens.observe(tokens)  # (n is 1: the request's own)
+        r.params_n.observe(1)
+        if max_tokens:
+            r.params_max_tokens.observe(max_tokens)
+        r.time_per_output_token.observe(tpot)
+        if arrived is not None:
+            if tokens:
+                r.ttft.observe(first - arrived)
+            r.e2e.observe(last - arrived)
 
     def observe_duration(self, route: str, seconds: float) -> None:
         """One request's end-to-end seconds on `route` (its histogram made on first use)."""
@@ -183,8 +266,29 @@ class GatewayCollector(Collector):
         self._http = http
         self.vllm_names: str | None = None
         """A model name: also export the `vllm:` series vLLM's dashboards read."""
+        self.engine_stats: EngineStats | None = None
+        """The engines' own reports (vLLM's wire: `watch`), for the ``vllm:`` series
+        only engines know (queue, prefill and decode time, inter-token latency, prefix
+        cache, preemptions...)."""
         self._batches = _Monotonic()
         self._protocol_errors = _Monotonic()
+
+    def watch(self, frontend: Any = None, source: Any = None) -> None:
+        """Size the ``vllm:`` token histograms from `frontend`'s model length (vLLM's
+        buckets end at `max_model_len`), and, for vLLM's wire (`source`: a
+        `zmqdp.vllm.dialect(...)`, or a group connected with one), have it count the
+        engines' stats. Without ``vllm:`` names it does nothing (the decoder then skips
+        the stats: no cost per token)."""
+        if self.vllm_names is None:
+            return
+        length = getattr(frontend, "max_prompt_tokens", None)
+        if type(length) is int and length > 0:
+            self._http.token_buckets = build_1_2_5_buckets(length)
+        wire = getattr(source, "wire", None) or getattr(source, "_wire", None)
+        if wire is not None and hasattr(wire, "stats"):
+            from ..vllm.stats import EngineStats
+
+            self.engine_stats = wire.stats = EngineStats(length if type(length) is int else None)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._gateway()
@@ -238,6 +342,15 @@ class GatewayCollector(Collector):
             buckets = [(_le(bound), float(n)) for bound, n in snap.cumulative()]
             durations.add_metric([route], buckets, snap.sum)
         yield durations
+        tpot = HistogramMetricFamily(
+            "zmqdp_gateway_time_per_output_token",
+            "Per answer of more than one token: seconds from its first token to its last, "
+            "over tokens - 1 (as the gateway saw them come).",
+            unit="seconds",
+        )
+        snap = http.time_per_output_token.snapshot()
+        tpot.add_metric([], [(_le(bound), float(n)) for bound, n in snap.cumulative()], snap.sum)
+        yield tpot
 
     def _group_health(self, health: GroupHealth) -> Iterator[Metric]:
         yield _gauge(
@@ -304,69 +417,277 @@ class GatewayCollector(Collector):
             yield from self._vllm(stats)
 
     def _vllm(self, stats: GroupStatistics) -> Iterator[Metric]:
-        """The names vLLM's own Grafana dashboards read (`vllm:...`, labels
-        ``model_name`` and ``engine``: the DP rank), from the same snapshot."""
+        """vLLM 0.32's ``vllm:`` families (`vllm/v1/metrics/loggers.py`), with its names,
+        types, labels (``model_name``, ``engine``: the DP rank) and buckets, so that
+        vLLM's Grafana dashboards and a mixed fleet's queries read them as vLLM's.
+        Frontend-side families come from the gateway's answers (`RankAnswers`);
+        engine-side ones from the engines' reports (`engine_stats`), when the wire is
+        vLLM's. docs/guides/metrics.md lists the families left out, and why."""
         model = self.vllm_names or ""
+        ranks = [r.rank for r in stats.ranks]
+        answers = {rank: self._http.rank(rank) for rank in ranks}
+        engine = self.engine_stats
+        engines = {rank: engine.rank(rank) for rank in ranks} if engine is not None else {}
         labels = ["model_name", "engine"]
 
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=labels)
+        def per_rank(
+            family: GaugeMetricFamily | CounterMetricFamily, values: dict[int, float]
+        ) -> GaugeMetricFamily | CounterMetricFamily:
+            for rank in ranks:
+                family.add_metric([model, str(rank)], values[rank])
+            return family
 
-        def histogram(name: str, doc: str) -> HistogramMetricFamily:
-            return HistogramMetricFamily(name, doc, labels=labels)
+        def gauge(name: str, doc: str, values: dict[int, float]) -> Metric:
+            return per_rank(GaugeMetricFamily(name, doc, labels=labels), values)
 
-        running = gauge("vllm:num_requests_running", "Requests running (the engine's report).")
-        waiting = gauge("vllm:num_requests_waiting", "Requests waiting (the engine's report).")
-        kv = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1 (the engine's report).")
-        ttft = histogram("vllm:time_to_first_token_seconds", "Seconds to the first token.")
-        e2e = histogram("vllm:e2e_request_latency_seconds", "Seconds from submit to the end.")
-        for r in stats.ranks:
-            label = [model, str(r.rank)]
-            running.add_metric(label, r.load.running)
-            waiting.add_metric(label, r.load.waiting)
-            kv.add_metric(label, r.load.kv)
-            for family, snap in ((ttft, r.ttft), (e2e, r.latency)):
+        def counter(name: str, doc: str, values: dict[int, float]) -> Metric:
+            return per_rank(CounterMetricFamily(name, doc, labels=labels), values)
+
+        def histogram(name: str, doc: str, values: dict[int, Histogram]) -> Metric:
+            family = HistogramMetricFamily(name, doc, labels=labels)
+            for rank in ranks:
+                snap = values[rank].snapshot()
                 buckets = [(_le(bound), float(n)) for bound, n in snap.cumulative()]
-                family.add_metric(label, buckets, snap.sum)
-        yield from (running, waiting, kv, ttft, e2e)
-        http = self._http
+                family.add_metric([model, str(rank)], buckets, snap.sum)
+            return family
+
+        def by(
+            name: str, doc: str, label: str, keys: tuple[str, ...], value: Callable[..., float]
+        ) -> Metric:
+            family = CounterMetricFamily(name, doc, labels=[*labels, label])
+            for rank in ranks:
+                for key in keys:
+                    family.add_metric([model, str(rank), key], value(rank, key))
+            return family
+
+        # scheduler state: the engine's last report (the group's, without engine stats)
+        reported = {r.rank: engines[r.rank] for r in stats.ranks if r.rank in engines}
+        reported = {rank: e for rank, e in reported.items() if e.reports}
+        load = {r.rank: r.load for r in stats.ranks}
+        yield gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            {k: reported[k].running if k in reported else load[k].running for k in ranks},
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            {k: reported[k].waiting if k in reported else load[k].waiting for k in ranks},
+        )
+        waiting_by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
+            "for scheduling capacity; 'deferred' = deferred by transient constraints "
+            "(LoRA budget, KV transfer, blocked status). Sum of all reasons equals "
+            "vllm:num_requests_waiting.",
+            labels=[*labels, "reason"],
+        )
+        for rank in ranks:
+            e = reported.get(rank)
+            deferred = e.deferred if e is not None else 0
+            waiting = e.waiting if e is not None else load[rank].waiting
+            waiting_by_reason.add_metric([model, str(rank), "capacity"], waiting - deferred)
+            waiting_by_reason.add_metric([model, str(rank), "deferred"], deferred)
+        yield waiting_by_reason
+        sleep = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means "
+            "engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 "
+            "means sleep level 2.",
+            labels=[*labels, "sleep_state"],
+        )
+        for rank in ranks:  # (only a frontend puts its engines to sleep: zmqdp never does)
+            for state, value in (("awake", 1.0), ("weights_offloaded", 0.0), ("discard_all", 0.0)):
+                sleep.add_metric([model, str(rank), state], value)
+        yield sleep
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            {k: reported[k].kv_cache_usage if k in reported else load[k].kv for k in ranks},
+        )
+
+        # frontend-side: the gateway's answers, by the rank that ran them
         success = CounterMetricFamily(
             "vllm:request_success",
-            "Requests whose answer ended, by finish reason.",
-            labels=["model_name", "finished_reason"],
+            "Count of successfully processed requests.",
+            labels=[*labels, "finished_reason"],
         )
-        for reason, n in sorted(http.finished.items()):
-            success.add_metric([model, reason], n)
+        for rank in ranks:
+            finished = answers[rank].finished
+            for reason in (*VLLM_FINISH_REASONS, *sorted(set(finished) - {*VLLM_FINISH_REASONS})):
+                success.add_metric([model, str(rank), reason], finished[reason])
         yield success
-        for name, doc, hist in (
+        if engine is None:
+            yield counter(
+                "vllm:prompt_tokens",
+                "Number of prefill tokens processed.",
+                {k: answers[k].prompt_tokens for k in ranks},
+            )
+            yield counter(
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                {k: answers[k].generation_tokens for k in ranks},
+            )
+        for name, doc, attribute in (
             (
-                "vllm:request_prompt_tokens",
-                "Prompt tokens per request.",
-                http.request_prompt_tokens,
+                "request_prompt_tokens",
+                "Number of prefill tokens processed.",
+                "request_prompt_tokens",
             ),
             (
-                "vllm:request_generation_tokens",
-                "Generated tokens per request.",
-                http.request_generation_tokens,
+                "request_generation_tokens",
+                "Number of generation tokens processed.",
+                "request_generation_tokens",
             ),
             (
+                "request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.",
+                "max_num_generation_tokens",
+            ),
+            ("request_params_n", "Histogram of the n request parameter.", "params_n"),
+            (
+                "request_params_max_tokens",
+                "Histogram of the max_tokens request parameter.",
+                "params_max_tokens",
+            ),
+            (
+                "time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                "ttft",
+            ),
+            (
+                "e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                "e2e",
+            ),
+        ):
+            yield histogram("vllm:" + name, doc, {k: getattr(answers[k], attribute) for k in ranks})
+        if engine is None:
+            yield histogram(
                 "vllm:request_time_per_output_token_seconds",
-                "Per request: seconds from the first token to the last, over tokens - 1.",
-                http.time_per_output_token,
+                "Histogram of time_per_output_token_seconds per request.",
+                {k: answers[k].time_per_output_token for k in ranks},
+            )
+            return
+        yield from self._vllm_engines(ranks, engines, counter, histogram, by)
+
+    @staticmethod
+    def _vllm_engines(
+        ranks: list[int],
+        engines: dict[int, RankEngineStats],
+        counter: Callable[[str, str, dict[int, float]], Metric],
+        histogram: Callable[[str, str, dict[int, Histogram]], Metric],
+        by: Callable[..., Metric],
+    ) -> Iterator[Metric]:
+        """The ``vllm:`` families only the engines' reports give (`EngineStats`)."""
+        for name, doc, attribute in (
+            (
+                "prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                "prefix_cache_queries",
+            ),
+            (
+                "prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                "prefix_cache_hits",
+            ),
+            (
+                "external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache "
+                "sharing, in terms of number of queried tokens.",
+                "external_prefix_cache_queries",
+            ),
+            (
+                "external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache "
+                "sharing, in terms of number of cached tokens.",
+                "external_prefix_cache_hits",
+            ),
+            (
+                "num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                "preemptions",
+            ),
+            ("prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+            (
+                "prompt_tokens_cached",
+                "Number of cached prompt tokens (local + external).",
+                "prompt_tokens_cached",
+            ),
+            (
+                "generation_tokens",
+                "Number of generation tokens processed.",
+                "generation_tokens",
             ),
         ):
-            family = HistogramMetricFamily(name, doc, labels=["model_name"])
-            snap = hist.snapshot()
-            buckets = [(_le(bound), float(n)) for bound, n in snap.cumulative()]
-            family.add_metric([model], buckets, snap.sum)
-            yield family
-        for name, doc, value in (
-            ("vllm:prompt_tokens", "Prompt tokens processed.", http.prompt_tokens),
-            ("vllm:generation_tokens", "Generation tokens processed.", http.completion_tokens),
+            yield counter("vllm:" + name, doc, {k: getattr(engines[k], attribute) for k in ranks})
+        from ..vllm.stats import CACHE_SOURCES, PROMPT_SOURCES
+
+        yield by(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            "source",
+            PROMPT_SOURCES,
+            lambda rank, key: engines[rank].prompt_tokens_by_source[key],
+        )
+        yield by(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local "
+            "HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM "
+            "instance) or external_unspecified. Counted at admission; sums to "
+            "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+            "source",
+            CACHE_SOURCES,
+            lambda rank, key: engines[rank].cached_by_source[key],
+        )
+        for name, doc, attribute in (
+            (
+                "iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+                "iteration_tokens",
+            ),
+            (
+                "inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                "inter_token_latency",
+            ),
+            (
+                "request_time_per_output_token_seconds",
+                "Histogram of time_per_output_token_seconds per request.",
+                "time_per_output_token",
+            ),
+            (
+                "request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                "queue_time",
+            ),
+            (
+                "request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.",
+                "inference_time",
+            ),
+            (
+                "request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                "prefill_time",
+            ),
+            (
+                "request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                "decode_time",
+            ),
+            (
+                "request_num_preemptions",
+                "Histogram of the number of times a request was preempted.",
+                "num_preemptions",
+            ),
+            (
+                "request_prefill_kv_computed_tokens",
+                "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                "prefill_kv_computed",
+            ),
         ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric([model], value)
-            yield counter
+            yield histogram("vllm:" + name, doc, {k: getattr(engines[k], attribute) for k in ranks})
 
     def _counters(self, stats: GroupStatistics) -> Iterator[Metric]:
         yield _gauge("zmqdp_group_lockstep", "1 for a lockstep group.", stats.lockstep)

@@ -29,7 +29,9 @@ waves) applies them unchanged: each `EngineCoreOutput` becomes an `Output` whose
 is a `VllmOutput` (new token ids, vLLM's stop reason) and whose `finish` is vLLM's
 finish reason in lower case ("stop", "length", "abort", "error", "repetition").
 `scheduler_stats` becomes the rank's `Load`; `wave_complete` and `start_wave` feed the
-wave clock; `utility_output` becomes a `Reply`.
+wave clock; `utility_output` becomes a `Reply`. `decode_outputs_with_stats` also reads
+each entry's `events` and `prefill_stats` (five more fields) and counts the message in
+an `EngineStats` (stats.py: vLLM's metrics); plain `decode_outputs` skips them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import msgspec
 
 from .._core.errors import QUOTE_LIMIT, ProtocolError, quote
 from .._core.messages import BadEntry, Load, Output, OutputBatch, Reply
+from .stats import EngineStats
 
 __all__ = [
     "ABORT",
@@ -59,6 +62,7 @@ __all__ = [
     "VllmOutput",
     "decode_hello",
     "decode_outputs",
+    "decode_outputs_with_stats",
     "decode_ready",
     "decode_ready_response",
     "encode_abort",
@@ -489,6 +493,17 @@ class _Out(msgspec.Struct, array_like=True, gc=False):
     stop_reason: int | str | None = None
 
 
+class _StatsOut(_Out, array_like=True, gc=False):
+    """`EngineCoreOutput` down to its 12th field, `prefill_stats`: decoded only when the
+    wire keeps vLLM's metrics (`decode_outputs_with_stats`)."""
+
+    events: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    trace_headers: Any = None
+    prefill_stats: Any = None
+
+
 class _ErrorOut(msgspec.Struct, array_like=True, gc=False):
     """`EngineCoreOutput` down to its 19th field, 0.33's `error`: decoded only for a
     message that has an ERROR finish (rare), so the common path skips 12 fields."""
@@ -540,6 +555,17 @@ class _Outputs(msgspec.Struct, array_like=True, gc=False):
     start_wave: int | None = None
 
 
+class _StatsOutputs(msgspec.Struct, array_like=True, gc=False):
+    engine_index: int = 0
+    outputs: list[_StatsOut] = []
+    scheduler_stats: dict[str, Any] | None = None
+    timestamp: float = 0.0
+    utility_output: _Utility | None = None
+    finished_requests: list[str] | None = None
+    wave_complete: int | None = None
+    start_wave: int | None = None
+
+
 class _LooseOutputs(msgspec.Struct, array_like=True, gc=False):
     engine_index: int = 0
     outputs: list[msgspec.Raw] = []
@@ -553,6 +579,7 @@ class _LooseOutputs(msgspec.Struct, array_like=True, gc=False):
 
 _outputs_decoder = msgspec.msgpack.Decoder(_Outputs)
 _loose_decoder = msgspec.msgpack.Decoder(_LooseOutputs)
+_stats_decoder = msgspec.msgpack.Decoder(_StatsOutputs)
 _out_decoder = msgspec.msgpack.Decoder(_Out)
 _utility_decoder = msgspec.msgpack.Decoder(_Utility)
 _error_outputs_decoder = msgspec.msgpack.Decoder(_ErrorOutputs)
@@ -599,7 +626,9 @@ def _errors(body: bytes) -> dict[str, VllmError]:
     }
 
 
-def _converted(rank: int, outs: list[_Out], bad: list[BadEntry], body: bytes) -> tuple[Output, ...]:
+def _converted(
+    rank: int, outs: Sequence[_Out], bad: list[BadEntry], body: bytes
+) -> tuple[Output, ...]:
     out: list[Output] = []
     append = out.append
     errors: dict[str, VllmError] | None = None
@@ -639,6 +668,37 @@ def decode_outputs(frames: Sequence[bytes]) -> OutputBatch:
         return _decode_loose(body)
     if m.engine_index < 0:
         raise ProtocolError(f"engine_index {m.engine_index} is negative")
+    bad: list[BadEntry] = []
+    outputs = _converted(m.engine_index, m.outputs, bad, body) if m.outputs else ()
+    u = m.utility_output
+    return OutputBatch(
+        rank=m.engine_index,
+        outputs=outputs,
+        load=_load(m.scheduler_stats) if m.scheduler_stats is not None else None,
+        wave_complete=m.wave_complete,
+        start_wave=m.start_wave,
+        replies=() if u is None else (_reply(u),),
+        bad_entries=tuple(bad),
+    )
+
+
+def decode_outputs_with_stats(
+    frames: Sequence[bytes], stats: EngineStats, rank: int
+) -> OutputBatch:
+    """`decode_outputs`, and the message's engine stats (events, prefill stats, scheduler
+    stats, timestamp) counted in `stats` if it is a well-formed message of `rank` (a
+    message with a malformed entry is decoded entry by entry, its stats not counted)."""
+    if not frames:
+        raise ProtocolError("an empty message")
+    body = frames[0]
+    try:
+        m = _msgspec(_stats_decoder.decode, body, _NOT_OUTPUTS)
+    except ProtocolError:
+        return _decode_loose(body)
+    if m.engine_index < 0:
+        raise ProtocolError(f"engine_index {m.engine_index} is negative")
+    if m.engine_index == rank:
+        stats.step(rank, m.timestamp, m.outputs, m.scheduler_stats)
     bad: list[BadEntry] = []
     outputs = _converted(m.engine_index, m.outputs, bad, body) if m.outputs else ()
     u = m.utility_output

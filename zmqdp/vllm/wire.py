@@ -47,12 +47,14 @@ from .codec import (
     ENGINE_CORE_DEAD,
     SamplingParams,
     decode_outputs,
+    decode_outputs_with_stats,
     encode_abort,
     encode_add,
     encode_start_dp_wave,
     encode_utility,
     sampling_map,
 )
+from .stats import EngineStats
 
 __all__ = ["VllmRequest", "VllmWire", "request_wave", "start_dp_wave"]
 
@@ -116,6 +118,9 @@ class VllmWire:
 
     def __init__(self, client_index: int = 0) -> None:
         self.client_index = client_index
+        self.stats: EngineStats | None = None
+        """Set it to count the engines' stats (vLLM's metrics, `stats.py`); None: the
+        outputs are decoded without them (cheaper per token)."""
         self._source_secret = secrets.token_bytes(16)
 
     def source_tag(self, rank: int) -> bytes:
@@ -173,6 +178,8 @@ class VllmWire:
             raise ProtocolError("prompt_token_ids must be a non-empty list of ints >= 0")
         if type(request.priority) is not int:
             raise ProtocolError(f"priority must be an int, got {request.priority!r}")
+        if self.stats is not None:
+            self.stats.add(wire_id)
         return encode_add(
             wire_id,
             tokens,
@@ -188,6 +195,8 @@ class VllmWire:
 
     def encode_abort(self, wire_ids: tuple[str, ...]) -> tuple[bytes, bytes]:
         """`Wire.encode_abort`: vLLM's ABORT request type with the wire ids."""
+        if self.stats is not None:
+            self.stats.forget(wire_ids)
         return encode_abort(wire_ids)
 
     def encode_wake(self, wave: int) -> list[bytes]:
@@ -221,7 +230,12 @@ class VllmWire:
             dead = "ENGINE_CORE_DEAD (an engine-side fatal error: see that engine's log)"
             return Incoming(rank, batch=OutputBatch(rank, dead=dead))
         try:
-            batch = decode_outputs(frames)
+            stats = self.stats
+            batch = (
+                decode_outputs(frames)
+                if stats is None
+                else decode_outputs_with_stats(frames, stats, rank)
+            )
         except ProtocolError as exc:
             return Incoming(rank, junk=exc)
         if batch.rank != rank:
