@@ -161,6 +161,7 @@ class HTTPCounters:
         self.ranks: dict[int, RankAnswers] = {}
 
     def rank(self, rank: int) -> RankAnswers:
+        """One rank's answer counts, made on its first answer (the `engine` label)."""
         answers = self.ranks.get(rank)
         if answers is None:
             answers = self.ranks[rank] = RankAnswers(self.token_buckets)

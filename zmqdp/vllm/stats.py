@@ -126,6 +126,7 @@ class EngineStats:
         self._requests: dict[str, _Request] = {}
 
     def rank(self, rank: int) -> RankEngineStats:
+        """One rank's engine-side stats, made on its first report (the `engine` label)."""
         stats = self.ranks.get(rank)
         if stats is None:
             stats = self.ranks[rank] = RankEngineStats(self.token_buckets)
