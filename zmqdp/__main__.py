@@ -181,6 +181,9 @@ def mock_config(args: argparse.Namespace) -> MockConfig:
     inverse); `ValueError` for a bad `--fault` or `--ranks`."""
     from .mock import MockConfig, merge_faults, parse_fault
 
+    problem = _wire_problem(args)
+    if problem is not None:
+        raise ValueError(problem)
     missing = [f"--{n}" for n in ("url", "engines") if getattr(args, n) is None]
     if missing:
         raise ValueError(f"the following arguments are required: {', '.join(missing)}")
