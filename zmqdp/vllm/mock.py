@@ -377,12 +377,18 @@ class FakeVllmGroup:
         return engine
 
     def close(self) -> None:
+        """Close every engine's sockets and the group's ZeroMQ context."""
         for e in self.engines:
             e.close()
         self.context.destroy(linger=0)
 
 
 class FakeVllmEngine:
+    """One fake engine core: rank `rank` of `group`, a headless `EngineCoreProc` (or
+    `DPEngineCoreProc` for a MoE group). `run` it: it connects to the group's URL, does
+    the handshake and serves until it is cancelled or a fault stops it (module
+    docstring)."""
+
     SETTINGS = (
         "version",
         "max_model_len",
@@ -471,6 +477,7 @@ class FakeVllmEngine:
         return zs
 
     def close(self) -> None:
+        """Close the engine's sockets and DP listeners (a dead process's are gone)."""
         for zs in self.sockets:
             zs.close()
         self.sockets = []
@@ -481,6 +488,7 @@ class FakeVllmEngine:
     # -- life -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Start up and serve until cancelled, `vanish()`ed, `die()`d or refused."""
         with self.cancel:
             try:
                 await self._run()
@@ -675,6 +683,7 @@ class FakeVllmEngine:
             await self._seen.wait()
 
     def got(self, kind: str) -> list[Any]:
+        """Every message of `kind` received ("add", "abort", "utility", "start_dp_wave")."""
         return [v for k, v in self.received if k == kind]
 
     def send_raw(self, frames: list[bytes]) -> None:
@@ -702,6 +711,7 @@ class FakeVllmEngine:
     # -- the busy loop (vLLM's EngineCoreProc / DPEngineCoreProc) -----------------------
 
     def has_work(self) -> bool:
+        """The busy loop steps (`EngineCoreProc._process_engine_step` would run)."""
         return self.engines_running or bool(self.requests) or bool(self._finished_since)
 
     async def _busy_loop(self, out: ZSocket, coord: ZSocket | None) -> None:
@@ -1019,9 +1029,11 @@ class FakeVllmEngine:
         self.changed.set()
 
     def freeze(self) -> None:
+        """Keep the sockets but stop stepping: a silent engine."""
         self.frozen = True
 
     def vanish(self) -> None:
+        """Close every socket without a word, as a killed process's."""
         self.cancel.cancel()
 
     def die(self) -> None:
