@@ -72,14 +72,15 @@ def _mock_parser(parser: argparse.ArgumentParser) -> None:
         "--url",
         default=None,
         help="the group URL the client binds, e.g. ipc:///tmp/zmqdp-g1/g (the client "
-        f"creates its directory); --wire vllm: default {VLLM_MOCK_URL} (vLLM's)",
+        f"creates its directory); required, but with --wire vllm: default {VLLM_MOCK_URL} "
+        "(vLLM's)",
     )
     parser.add_argument(
         "--engines",
         "--data-parallel-size",
         type=int,
         default=None,
-        help="ranks to run (--wire vllm: default 2)",
+        help="ranks to run; required, but with --wire vllm: default 2",
     )
     parser.add_argument("--lockstep", action="store_true", help="ranks step together")
     parser.add_argument(
