@@ -43,7 +43,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", 0.7), ("stop", ["\n"]), ("seed", 1), ("logprobs", 2), ("echo", True)],
+    [("top_p", 0.7), ("presence_penalty", 1), ("logprobs", 2), ("echo", True)],
 )
 async def test_a_field_the_engine_cannot_honour_is_a_400_naming_it(field: str, value: Any) -> None:
     async with mock_gateway() as (client, _):
@@ -160,8 +160,8 @@ async def test_the_official_openai_client_async_and_sync() -> None:
             ]
             with pytest.raises(openai.NotFoundError):
                 await oa.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
-            with pytest.raises(openai.BadRequestError, match="temperature"):
-                await oa.completions.create(model="tiny", prompt="hi", temperature=0.2)
+            with pytest.raises(openai.BadRequestError, match="top_p"):
+                await oa.completions.create(model="tiny", prompt="hi", top_p=0.2)
         async with openai.AsyncOpenAI(base_url=base, api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError):
                 await bad.completions.create(model="tiny", prompt="hi", max_tokens=1)

@@ -47,3 +47,34 @@ def test_the_command_parses_back_to_its_config(config: MockConfig) -> None:
 def test_a_field_with_no_command_line_form_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_tokens has no command-line form"):
         mock_command("ipc:///tmp/zmqdp-m/g", MockConfig(kv_tokens=1024))
+
+
+def test_the_vllm_mocks_command_is_one_serve_parses_and_finds_the_model_of() -> None:
+    """What `zmqdp mock --wire vllm` prints is a `zmqdp serve` command line whose model
+    name leads to the shipped directory (no path needed)."""
+    from zmqdp.__main__ import vllm_mock_serve_command
+    from zmqdp.gateway.serve import add_arguments
+    from zmqdp.gateway.vllm_frontend import VllmFrontend
+    from zmqdp.vllm.mock import model_directory
+
+    command = vllm_mock_serve_command("tcp://127.0.0.1:29550", 3, "zmqdp-mock", prog="zmqdp")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(command.split()[2:])
+    assert (args.vllm, args.url, args.engines, args.insecure) == (
+        "zmqdp-mock",
+        "tcp://127.0.0.1:29550",
+        3,
+        True,
+    )
+    frontend = VllmFrontend(model_directory(args.vllm))
+    assert frontend.model.max_model_len == 4096
+
+
+def test_the_vllm_wire_options_parse_with_their_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    _mock_parser(parser)
+    args = parser.parse_args(["--wire", "vllm"])
+    assert (args.url, args.engines, args.model, args.eos_after) == (None, None, None, 128)
+    args = parser.parse_args(["--wire", "vllm", "--data-parallel-size", "4", "--moe"])
+    assert (args.engines, args.moe, args.vllm_version) == (4, True, "0.33")

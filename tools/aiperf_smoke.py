@@ -2,14 +2,15 @@
 
     python3 tools/aiperf_smoke.py        (.ci/run runs it after `python3 dev.py check`)
 
-aiperf (NVIDIA's OpenAI-API benchmark, a client nobody here wrote) goes in a venv of its
-own, ``.venv-aiperf`` (made on first use; it has many dependencies of its own). The
-engines are tests/fakes/vllm.py's (2 ranks, vLLM 0.33's wire) and the gateway is
-``python -m zmqdp serve --vllm`` on its default server (uvicorn) over the tiny test
-model (tests/data/tiny-model) with its context raised to 4096 tokens: aiperf's default
-prompts are about 550 tokens, past the model's 512 (the gateway answers those with
-vLLM's 400, as it should). Each runs in a process of its own from the project's
-``.venv``.
+It follows docs/guides/quickstart-vllm.md, so that the guide stays true: the engines
+are ``python -m zmqdp mock --wire vllm`` (2 fake vLLM 0.33 engine cores over the model
+shipped with zmqdp, ``zmqdp-mock``: a 4096-token context, room for aiperf's default
+prompts of about 550 tokens), the gateway is the ``zmqdp serve --vllm zmqdp-mock ...``
+command the mock prints (on its default server, uvicorn), and aiperf gets the shipped
+model directory as its tokenizer. aiperf (NVIDIA's OpenAI-API benchmark, a client
+nobody here wrote) goes in a venv of its own, ``.venv-aiperf`` (made on first use; it
+has many dependencies of its own); the mock and the gateway run in processes of their
+own from the project's ``.venv``.
 
 Three runs: aiperf's default (chat, not streaming), chat streaming, and completions
 streaming. Each must complete every request with no error record. Exit status 0 if so.
@@ -37,18 +38,8 @@ RUNS = [
     ("chat, streaming", ["--streaming"]),
     ("completions, streaming", ["--endpoint-type", "completions", "--streaming"]),
 ]
-FAKES = """
-import sys, trio
-sys.path.insert(0, sys.argv[2])
-from tests.fakes.vllm import FakeVllmGroup
-async def main(url):
-    fake = FakeVllmGroup(url, 2)
-    async with trio.open_nursery() as n:
-        fake.nursery = n
-        for e in fake.engines:
-            n.start_soon(e.run)
-trio.run(main, sys.argv[1])
-"""
+MOCK_MODEL = ROOT / "zmqdp" / "vllm" / "models" / "zmqdp-mock"
+"""The model shipped with zmqdp (`zmqdp.vllm.mock.mock_model_dir()`), aiperf's tokenizer."""
 
 
 def free_port() -> int:
@@ -87,6 +78,16 @@ def model_dir(
     return model
 
 
+def serve_command(log: Path, deadline: float) -> list[str]:
+    """The `zmqdp serve` command the mock printed (its first line that has one)."""
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if " serve --vllm " in line:
+                return line.split()
+        time.sleep(0.1)
+    raise SystemExit(f"aiperf_smoke: the mock printed no serve command ({log})")
+
+
 def wait_ready(port: int, deadline: float) -> None:
     while time.monotonic() < deadline:
         try:
@@ -112,41 +113,32 @@ def main() -> int:
         raise SystemExit("aiperf_smoke: run `python3 dev.py check` first (it makes .venv)")
     exe = aiperf()
     tmp = Path(tempfile.mkdtemp(prefix="zmqdp-aiperf-"))
-    model = model_dir(tmp)
     engines, http = free_port(), free_port()
     url = f"tcp://127.0.0.1:{engines}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log = (tmp / "processes.log").open("wb")
+    mock_log = tmp / "mock.log"
     procs = [
         subprocess.Popen(
-            [str(python), "-c", FAKES, url, str(ROOT)], stdout=log, stderr=log, env=env
-        ),
-        subprocess.Popen(
-            [
-                str(python),
-                "-m",
-                "zmqdp",
-                "serve",
-                "--vllm",
-                str(model),
-                "--served-model-name",
-                "tiny",
-                "--url",
-                url,
-                "--engines",
-                "2",
-                "--insecure",
-                "--port",
-                str(http),
-            ],
-            stdout=log,
-            stderr=log,
+            [str(python), "-m", "zmqdp", "mock", "--wire", "vllm", "--url", url],
+            stdout=mock_log.open("wb"),
+            stderr=subprocess.STDOUT,
             env=env,
             cwd=ROOT,
-        ),
+        )
     ]
     failed = []
     try:
+        # the printed command as is ("python -m zmqdp serve ..."), on the venv's python
+        _, *serve = serve_command(mock_log, time.monotonic() + 60)
+        procs.append(
+            subprocess.Popen(
+                [str(python), *serve, "--port", str(http)],
+                stdout=(tmp / "serve.log").open("wb"),
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+            )
+        )
         wait_ready(http, time.monotonic() + 60)
         for name, options in RUNS:
             artifacts = tmp / name.replace(" ", "-").replace(",", "").replace("(", "").replace(
@@ -156,9 +148,9 @@ def main() -> int:
                 str(exe),
                 "profile",
                 "--model",
-                "tiny",
+                "zmqdp-mock",
                 "--tokenizer",
-                str(model),
+                str(MOCK_MODEL),
                 "--url",
                 f"http://127.0.0.1:{http}",
                 "--artifact-dir",
@@ -182,7 +174,6 @@ def main() -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        log.close()
     if failed:
         print(f"aiperf_smoke: FAILED ({', '.join(failed)}); logs in {tmp}")
         return 1

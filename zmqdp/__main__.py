@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import shlex
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -50,14 +51,37 @@ def _unshadow() -> None:
 _unshadow()
 
 
+VLLM_MOCK_URL = "tcp://127.0.0.1:29550"
+"""`zmqdp mock --wire vllm`'s default URL: vLLM's default data-parallel address and RPC
+port (``--data-parallel-rpc-port 29550``), which the frontend binds."""
+VLLM_MOCK_EOS_AFTER = 128
+"""`zmqdp mock --wire vllm`'s default ``--eos-after``: answers end as a model's do, so
+that a client that sends no max_tokens (aiperf's default run) gets answers of a few
+seconds rather than the whole context."""
+
+
 def _mock_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url",
-        required=True,
-        help="the group URL the client binds, e.g. ipc:///tmp/zmqdp-g1/g (the client "
-        "creates its directory)",
+        "--wire",
+        choices=("native", "vllm"),
+        default="native",
+        help="native (default): zmqdp's own engines; vllm: fake vLLM engine cores "
+        "(headless, vLLM's engine-core wire) for `zmqdp serve --vllm`, no vLLM needed",
     )
-    parser.add_argument("--engines", type=int, required=True, help="ranks to run")
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="the group URL the client binds, e.g. ipc:///tmp/zmqdp-g1/g (the client "
+        f"creates its directory); required, but with --wire vllm: default {VLLM_MOCK_URL} "
+        "(vLLM's)",
+    )
+    parser.add_argument(
+        "--engines",
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        help="ranks to run; required, but with --wire vllm: default 2",
+    )
     parser.add_argument("--lockstep", action="store_true", help="ranks step together")
     parser.add_argument(
         "--ranks",
@@ -67,7 +91,9 @@ def _mock_parser(parser: argparse.ArgumentParser) -> None:
         "per rank, as for fault tests)",
     )
     parser.add_argument("--step-time", type=float, default=0.01, help="seconds per step")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="running per rank (16; --wire vllm 256)"
+    )
     parser.add_argument("--sync-interval", type=int, default=4)
     parser.add_argument("--self-wake", action="store_true", help="ADD while parked runs at once")
     parser.add_argument(
@@ -88,6 +114,31 @@ def _mock_parser(parser: argparse.ArgumentParser) -> None:
         "--keys", default=None, metavar="DIR", help="connect with CURVE keys from DIR"
     )
     parser.add_argument("--log-level", default="WARNING")
+    vllm = parser.add_argument_group("--wire vllm")
+    vllm.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME|DIR",
+        help="the model the engines pretend to run: its context and tokenizer (default "
+        "zmqdp-mock, the directory shipped with zmqdp; `zmqdp serve --vllm zmqdp-mock` "
+        "finds it too)",
+    )
+    vllm.add_argument(
+        "--max-model-len", type=int, default=None, help="the context (default: the model's)"
+    )
+    vllm.add_argument(
+        "--eos-after",
+        type=int,
+        default=VLLM_MOCK_EOS_AFTER,
+        metavar="N",
+        help="an answer ends with the model's EOS token as its N-th token (finish 'stop'; "
+        f"not with ignore_eos); 0: never (to max_tokens or the context); default "
+        f"{VLLM_MOCK_EOS_AFTER}",
+    )
+    vllm.add_argument("--moe", action="store_true", help="MoE ranks (vLLM's DP waves)")
+    vllm.add_argument(
+        "--vllm-version", choices=("0.32", "0.33"), default="0.33", help="the wire played"
+    )
 
 
 def mock_banner(
@@ -114,17 +165,32 @@ def mock_banner(
     )
 
 
+def _ranks(text: str | None, engines: int) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    ranks = tuple(int(r) for r in text.split(","))  # (ValueError: int's own message)
+    if not all(0 <= r < engines for r in ranks):
+        raise ValueError(f"--ranks: each rank must be from 0 to {engines - 1}")
+    return ranks
+
+
 def mock_config(args: argparse.Namespace) -> MockConfig:
     """The `MockConfig` of `zmqdp mock`'s arguments (`zmqdp.mock.mock_command` is the
     inverse); `ValueError` for a bad `--fault` or `--ranks`."""
     from .mock import MockConfig, merge_faults, parse_fault
 
-    ranks = None if args.ranks is None else tuple(int(r) for r in args.ranks.split(","))
+    problem = _wire_problem(args)
+    if problem is not None:
+        raise ValueError(problem)
+    missing = [f"--{n}" for n in ("url", "engines") if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"the following arguments are required: {', '.join(missing)}")
+    ranks = _ranks(args.ranks, args.engines)
     cfg = MockConfig(
         engines=args.engines,
         lockstep=args.lockstep,
         step_time=args.step_time,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=16 if args.max_num_seqs is None else args.max_num_seqs,
         sync_interval=args.sync_interval,
         self_wake=args.self_wake,
         wave_agreement=not args.no_wave_agreement,
@@ -135,8 +201,6 @@ def mock_config(args: argparse.Namespace) -> MockConfig:
     )
     if cfg.ranks is not None and cfg.lockstep:
         raise ValueError("--ranks: lockstep ranks step together: run them all in one process")
-    if cfg.ranks is not None and not all(0 <= r < cfg.engines for r in cfg.ranks):
-        raise ValueError(f"--ranks: each rank must be from 0 to {cfg.engines - 1}")
     return cfg
 
 
@@ -146,6 +210,8 @@ def run_mock(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
     raise_open_files_limit(report=False)  # room for many ranks' sockets (zmqdp.fdlimit)
+    if args.wire == "vllm":
+        return run_vllm_mock(args)
     try:
         cfg = mock_config(args)
     except ValueError as exc:  # bad --fault or --ranks: one line, like argparse's errors
@@ -176,6 +242,156 @@ def run_mock(args: argparse.Namespace) -> int:
                 print(f"zmqdp mock: {kind} rank(s) {ranks} up at {args.url}", flush=True)
                 return 0
         return 0  # pragma: no cover - a signal before the ranks settled
+
+    return trio.run(main)
+
+
+NATIVE_ONLY = {
+    "lockstep": False,
+    "self_wake": False,
+    "no_wave_agreement": False,
+    "skew": 0.0,
+    "fault": [],
+    "keys": None,
+}
+VLLM_ONLY = {
+    "model": None,
+    "max_model_len": None,
+    "eos_after": VLLM_MOCK_EOS_AFTER,
+    "moe": False,
+    "vllm_version": "0.33",
+}
+
+
+def _wire_problem(args: argparse.Namespace) -> str | None:
+    """An option of the other wire, given (None: none)."""
+    other = NATIVE_ONLY if args.wire == "vllm" else VLLM_ONLY
+    given = [k for k, default in other.items() if getattr(args, k) != default]
+    if not given:
+        return None
+    names = ", ".join("--" + k.replace("_", "-") for k in given)
+    if args.wire == "vllm":
+        return f"{names}: for --wire native (--moe runs MoE ranks: vLLM's lockstep)"
+    return f"{names}: for --wire vllm"
+
+
+def vllm_mock_serve_command(
+    url: str, engines: int, model: str, moe: bool = False, prog: str | None = None
+) -> str:
+    """The `zmqdp serve --vllm` command line that fronts `zmqdp mock --wire vllm`'s
+    engines (what the mock prints as it starts)."""
+    parts = [prog or _prog(), "serve", "--vllm", model, "--url", url, "--engines", str(engines)]
+    if moe:
+        parts.append("--moe")
+    if url.startswith("tcp://"):
+        parts.append("--insecure")
+    return " ".join(shlex.quote(p) if p != parts[0] else p for p in parts)
+
+
+def vllm_mock_banner(
+    url: str,
+    engines: int,
+    ranks: tuple[int, ...] | None,
+    model: str,
+    model_dir: str,
+    max_model_len: int,
+    moe: bool,
+    version: str,
+) -> str:
+    """What `zmqdp mock --wire vllm` prints as it starts: what it runs, and on a line of
+    its own the frontend's command that connects to it."""
+    which = range(engines) if ranks is None else ranks
+    kind = "MoE" if moe else "dense"
+    return (
+        f"zmqdp mock: fake vLLM {version} engine cores for rank(s) "
+        f"{', '.join(map(str, which))} of a {kind} data-parallel group of {engines} "
+        f"(as `vllm serve {model} --headless --data-parallel-size {engines}`), model "
+        f"{model_dir} ({max_model_len}-token context), connecting to {url}. Start the "
+        "frontend with:\n"
+        f"    {vllm_mock_serve_command(url, engines, model, moe)}"
+    )
+
+
+def run_vllm_mock(args: argparse.Namespace) -> int:
+    """`zmqdp mock --wire vllm`: fake vLLM engine cores until SIGINT or SIGTERM (exit
+    status 0), or until every rank stopped (1: a rank refused the frontend's init)."""
+    from .vllm.mock import (
+        MOCK_MODEL,
+        FakeVllmGroup,
+        model_directory,
+        model_settings,
+        run_fake_group,
+    )
+
+    problem = _wire_problem(args)
+    url = args.url or VLLM_MOCK_URL
+    engines = 2 if args.engines is None else args.engines
+    model = args.model or MOCK_MODEL
+    directory = model_directory(model)
+    try:
+        if problem is not None:
+            raise ValueError(problem)
+        if engines < 1:
+            raise ValueError("--engines: at least 1")
+        ranks = _ranks(args.ranks, engines)
+        if not (directory / "tokenizer.json").is_file():
+            raise ValueError(
+                f"--model {model}: no tokenizer.json in {directory} (a Hugging Face model "
+                f"directory; or {MOCK_MODEL}, the one shipped with zmqdp)"
+            )
+        if args.eos_after < 0:
+            raise ValueError("--eos-after: 0 (never) or more")
+    except ValueError as exc:
+        print(f"zmqdp mock: error: {exc}", file=sys.stderr)
+        return 2
+    settings = model_settings(directory)
+    if args.max_model_len is not None:
+        settings["max_model_len"] = args.max_model_len
+    group = FakeVllmGroup(
+        url,
+        engines,
+        moe=args.moe,
+        sync_interval=args.sync_interval,
+        step_delay=args.step_time,
+        version=args.vllm_version,
+        max_num_seqs=256 if args.max_num_seqs is None else args.max_num_seqs,
+        eos_after=args.eos_after or None,
+        **settings,
+    )
+    stopped: dict[int, str] = {}
+    started = set(range(engines) if ranks is None else ranks)
+
+    def report(rank: int, why: str | None) -> None:
+        if why is None:
+            print(f"zmqdp mock: rank {rank} up (handshake with the frontend done)", flush=True)
+            return
+        stopped[rank] = why
+        print(f"zmqdp mock: rank {rank} stopped: {why}", file=sys.stderr, flush=True)
+
+    async def main() -> int:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+
+                async def stop_on_signal() -> None:
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(stop_on_signal)
+                banner = vllm_mock_banner(
+                    url,
+                    engines,
+                    ranks,
+                    model,
+                    str(directory),
+                    group.max_model_len,
+                    args.moe,
+                    args.vllm_version,
+                )
+                print(banner, flush=True)
+                await run_fake_group(group, ranks, report)
+                nursery.cancel_scope.cancel()
+        return 1 if stopped.keys() >= started else 0
 
     return trio.run(main)
 

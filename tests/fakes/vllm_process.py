@@ -1,6 +1,6 @@
-"""One fake vLLM engine core (dense) in a process of its own, for fault tests that need
-a real process: `kill -9` and `SIGSTOP` (libzmq's heartbeats are answered by its I/O
-thread, which only stopping the process stops).
+"""One fake vLLM engine core (dense, `zmqdp.vllm.mock`) in a process of its own, for
+fault tests that need a real process: `kill -9` and `SIGSTOP` (libzmq's heartbeats are
+answered by its I/O thread, which only stopping the process stops).
 
     python -m tests.fakes.vllm_process URL SIZE RANK [STEP_DELAY]
 
@@ -13,7 +13,7 @@ import sys
 
 import trio
 
-from tests.fakes.vllm import FakeVllmGroup
+from zmqdp.vllm.mock import FakeVllmGroup
 
 
 async def main(url: str, size: int, rank: int, step_delay: float) -> None:

@@ -35,6 +35,7 @@ was replaced by a plain function), the gateway calls `decode` per output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -152,6 +153,58 @@ class Frontend(Protocol):
         ...
 
 
+MOCK_FIELDS = frozenset({"temperature", "seed", "stop", "stop_token_ids"})
+"""The sampling fields `MockFrontend` takes. `stop` and `stop_token_ids` are honoured
+(as vLLM does); `temperature` and `seed` are checked and change nothing: the mock's
+answer is a fixed function of the prompt, as greedy decoding is, so every temperature
+and seed gives that answer. Any other sampling field that asks for something (`top_p`
+below 1, `logprobs`, penalties...) is refused with a 400 naming it (openai.py): the mock
+cannot honour it, and ignoring it would answer another question than the one asked."""
+MAX_STOP_STRINGS = 16
+"""At most this many stop strings per request (OpenAI takes 4; as `VllmFrontend`)."""
+MAX_STOP_LENGTH = 256
+"""The longest stop string taken (characters)."""
+MAX_STOP_TOKEN_IDS = 256
+"""At most this many `stop_token_ids`."""
+
+
+def _mock_sampling(raw: Mapping[str, Any]) -> tuple[tuple[str, ...], frozenset[int]]:
+    """The stop strings and stop token ids of a request's `MOCK_FIELDS`; `ValueError`
+    (a 400) naming the field for a value vLLM would refuse too."""
+    temperature = raw.get("temperature")
+    if temperature is not None and (
+        type(temperature) not in (int, float)
+        or not math.isfinite(temperature)
+        or not 0 <= temperature <= 2
+    ):
+        raise ValueError(f"'temperature' must be a number from 0 to 2, got {temperature!r:.40}")
+    seed = raw.get("seed")
+    if seed is not None and (type(seed) is not int or not -(1 << 63) <= seed < 1 << 63):
+        raise ValueError(f"'seed' must be a 64-bit int, got {seed!r:.40}")
+    value = raw.get("stop")
+    stops = [] if value is None else [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and len(s) <= MAX_STOP_LENGTH for s in stops)
+    ):
+        raise ValueError(
+            f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings of at "
+            f"most {MAX_STOP_LENGTH} characters"
+        )
+    ids = raw.get("stop_token_ids", [])
+    if (
+        not isinstance(ids, list)
+        or len(ids) > MAX_STOP_TOKEN_IDS
+        or not all(type(t) is int and 0 <= t < 1 << 31 for t in ids)
+    ):
+        raise ValueError(
+            f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids "
+            "(ints from 0)"
+        )
+    return tuple(s for s in stops if s), frozenset(ids)
+
+
 class MockFrontend:
     """The mock engine's bodies (`zmqdp.mock`), and a stand-in for any engine that takes
     token ids and sends one token per output.
@@ -161,12 +214,16 @@ class MockFrontend:
     * the body is ``{"prompt": [int, ...], "max_tokens": k}``;
     * an output ``{"token": n}`` is the text ``f" t{n}"``; an output ``{"text": s}`` is
       ``s``; any other output is one token with no text;
-    * the engine's finish string is the finish reason (the mock says ``"length"``).
+    * the engine's finish string is the finish reason (the mock says ``"length"``);
+    * `stop` strings and `stop_token_ids` end the answer as vLLM's do (`MOCK_FIELDS`:
+      finish ``"stop"``, the text ends before the stop string, a stop token's text is
+      left out, the request is aborted on its rank); `temperature` and `seed` are
+      taken and change nothing (the answer is a fixed function of the prompt).
     """
 
     max_prompt_tokens: int = 1 << 20
-    fields: frozenset[str] = frozenset()
-    """The mock honours no sampling field: `temperature`, `stop`... are refused."""
+    fields: frozenset[str] = MOCK_FIELDS
+    """The sampling fields the mock takes (`MOCK_FIELDS`); others are refused."""
 
     def chat_prompt(self, messages: tuple[Mapping[str, str], ...]) -> str:
         """A plain transcript, ``"role: content"`` per line, then ``"assistant:"``."""
@@ -185,8 +242,11 @@ class MockFrontend:
                 f"the prompt has {len(tokens)} tokens; this engine takes at most "
                 f"{self.max_prompt_tokens}"
             )
+        stops, stop_ids = _mock_sampling(request.raw) if request.raw else ((), frozenset())
         ids = list(tokens)
         body = {"prompt": ids, "max_tokens": request.max_tokens}
+        if stops or stop_ids:
+            return Prepared(body, len(ids), _MockStopDecode(stops, stop_ids))
         return Prepared(body, len(ids), _MOCK_DECODE)
 
 
@@ -239,6 +299,41 @@ class _MockDecode:
 
 
 _MOCK_DECODE = _MockDecode()
+
+
+class _MockStopDecode:
+    """The mock's decoding with stop strings and stop token ids, as vLLM's detokenizer
+    applies them (`include_stop_str_in_output` false): the text ends before the first
+    stop string found, with finish ``"stop"``; up to the longest stop string minus one
+    character is held back meanwhile (the next token may complete one); a stop token
+    id ends the answer with ``"stop"`` and its own text left out. One per request."""
+
+    __slots__ = ("_held", "_hold", "_stop_ids", "_stops")
+
+    def __init__(self, stops: tuple[str, ...], stop_ids: frozenset[int]) -> None:
+        self._stops = stops
+        self._stop_ids = stop_ids
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._held = ""
+
+    def __call__(self, output: Output) -> Piece:
+        body = output.body
+        token = body.get("token") if isinstance(body, dict) else None
+        stopped = type(token) is int and token in self._stop_ids
+        held = self._held if stopped else self._held + _mock_text(body)
+        cut = min((i for s in self._stops if (i := held.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            return Piece(held[:cut], 1, "stop")
+        if stopped or output.finish is not None:
+            self._held = ""
+            return Piece(held, 1, "stop" if stopped else output.finish or "stop")
+        keep = len(held) - self._hold
+        self._held = held[max(keep, 0) :]
+        return Piece(held[:keep] if keep > 0 else "", 1, None)
+
+    def batch(self, outputs: Sequence[Output]) -> Piece:
+        return decode_each(self, outputs)
 
 
 def _mock_piece(output: Output) -> Piece:  # (kept: the name tests and embedders used)

@@ -324,10 +324,11 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         raise SystemExit("zmqdp serve: give --url URL --engines N, or --mock")
     if args.vllm is not None:
         from .. import vllm
+        from ..vllm.mock import model_directory
         from .vllm_frontend import VllmFrontend
 
-        try:
-            frontend = VllmFrontend(args.vllm)
+        try:  # (zmqdp-mock: the model directory shipped for `zmqdp mock --wire vllm`)
+            frontend = VllmFrontend(model_directory(args.vllm))
         except (OSError, ValueError, Exception) as exc:  # tokenizers raises its own
             raise SystemExit(f"zmqdp serve --vllm {args.vllm}: {exc}") from None
         if args.served_model_name is None and args.model == "zmqdp":

@@ -5,7 +5,9 @@ vLLM's own serializer). See docs/guides/vllm.md.
 
 What vLLM changes, by file: `wire.py` (requests, outputs, waves, calls), `codec.py` (the
 msgspec frames), `handshake.py` (the start-up handshake), `sockets.py` (the frontend's
-and coordinator's sockets), `group.py` (putting them together: `connect`)."""
+and coordinator's sockets), `group.py` (putting them together: `connect`). `mock.py` is
+the other side: fake engine cores for ``zmqdp mock --wire vllm`` and the tests (not
+imported here)."""
 
 from .codec import FINISH_REASONS, WIRE_VERSIONS, SamplingParams, VllmError, VllmOutput
 from .group import VllmEngineGroup, VllmGroup, connect, dialect

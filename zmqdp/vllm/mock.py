@@ -1,11 +1,18 @@
-"""Fake vLLM 0.32 / 0.33 engine groups for the tests and benchmarks: msgspec + pyzmq, no
-vLLM, no torch. Each `FakeVllmEngine` speaks the engine side of vLLM's wire as
-`vllm/v1/engine/core.py` (`EngineCoreProc`, and `DPEngineCoreProc` for MoE ranks) of
-the version it plays (`version`, "0.32" or "0.33", per group or per engine) does, and
-runs a toy scheduler. tests/test_vllm_fake_fidelity.py checks the messages against
-field lists taken from vLLM's sources, the golden 0.33 frames and a capture of real
-0.32 engine cores (tests/data/vllm_capture_v0320_dense.json);
+"""Fake vLLM 0.32 / 0.33 engine cores: msgspec + pyzmq, no vLLM, no torch. They run
+behind ``zmqdp mock --wire vllm`` (try ``zmqdp serve --vllm`` with no vLLM installed:
+docs/guides/quickstart-vllm.md), the tests and the benchmarks (tests/fakes/vllm.py
+re-exports this module). Each `FakeVllmEngine` speaks the engine side of vLLM's wire
+as `vllm/v1/engine/core.py` (`EngineCoreProc`, and `DPEngineCoreProc` for MoE ranks)
+of the version it plays (`version`, "0.32" or "0.33", per group or per engine) does,
+and runs a toy scheduler. tests/test_vllm_fake_fidelity.py checks the messages
+against field lists taken from vLLM's sources, the golden 0.33 frames and a capture of
+real 0.32 engine cores (tests/data/vllm_capture_v0320_dense.json);
 tests/real_vllm/test_vllm_client_on_fakes.py runs vLLM's own DP client against them.
+
+The model they pretend to run is `MOCK_MODEL` (``zmqdp-mock``, a directory shipped in
+the package: `mock_model_dir`): a real tokenizer and chat template, so that a
+frontend tokenizes, renders and detokenizes as for a real model, and a 4096-token
+context, room for aiperf's default prompts (about 550 tokens) and a long answer.
 
 Start-up (`EngineCoreProc.__init__`, `_perform_handshake`, `startup_handshake`):
 HELLO ``{"status": "HELLO", "local": False, "headless": True}`` on the handshake DEALER
@@ -24,7 +31,11 @@ says ``data_parallel_size: 1``; a MoE rank keeps the group's size. 0.33 engines 
 only with elastic EP (`enable_elastic_ep`).
 
 Generation: a request emits `tokens_per_step` tokens per engine step, token ids counting
-up from its last prompt token + 1. It stops (vLLM's `check_stop` order) with STOP when
+up from its last prompt token + 1 (with the group's `token_range` (low, high), ids wrap
+from high - 1 back to low: the model's ordinary tokens, so that every one has text). The
+output is a fixed function of the prompt, as greedy decoding is: the engines ignore
+every sampling parameter but the ones below (temperature, seed, top_p... change
+nothing). It stops (vLLM's `check_stop` order) with STOP when
 it emits its ``_eos_token_id`` (stop_reason None) or one of its ``stop_token_ids``
 (stop_reason = that id), with LENGTH at ``max_tokens`` or at `max_model_len` tokens. At
 most `max_num_seqs` requests run per step (in arrival order), the others wait.
@@ -99,10 +110,12 @@ from __future__ import annotations
 
 import collections
 import errno
+import json
 import math
 import socket as _socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -110,6 +123,39 @@ import trio
 import zmq
 
 from zmqdp._zmq import ZSocket
+
+__all__ = [
+    "MOCK_MODEL",
+    "FakeVllmEngine",
+    "FakeVllmGroup",
+    "mock_model_dir",
+    "model_directory",
+    "model_settings",
+    "run_fake_group",
+    "text_token_range",
+]
+
+MOCK_MODEL = "zmqdp-mock"
+"""The name of the model directory shipped with zmqdp: ``--model zmqdp-mock`` (the
+default of ``zmqdp mock --wire vllm``) and ``zmqdp serve --vllm zmqdp-mock`` find it."""
+
+
+def mock_model_dir() -> Path:
+    """The shipped model directory (package data): config.json, generation_config.json,
+    tokenizer.json (a byte-level BPE of 870 tokens), tokenizer_config.json and
+    chat_template.jinja; a 4096-token context; about 50 KB."""
+    return Path(__file__).resolve().parent / "models" / MOCK_MODEL
+
+
+def model_directory(model: str | Path) -> Path:
+    """The model directory `model` names: a directory that exists (as vLLM, a local path
+    first), else the shipped one for ``zmqdp-mock``; any other name is returned as a path
+    (the caller then says what is missing in it)."""
+    path = Path(model)
+    if not path.is_dir() and str(model) == MOCK_MODEL:
+        return mock_model_dir()
+    return path
+
 
 enc = msgspec.msgpack.encode
 dec = msgspec.msgpack.decode
@@ -252,7 +298,8 @@ def scheduler_stats(
 class FakeVllmGroup:
     """N fake engines and the collective that couples MoE ranks. `version`,
     `max_model_len`, `max_num_seqs` and `log_stats` are each engine's defaults (an
-    engine's own attributes may be changed before it runs)."""
+    engine's own attributes may be changed before it runs); `token_range`: see the
+    module docstring (Generation)."""
 
     def __init__(
         self,
@@ -267,8 +314,16 @@ class FakeVllmGroup:
         max_model_len: int = 4096,
         max_num_seqs: int = 256,
         log_stats: bool = True,
+        token_range: tuple[int, int] | None = None,
+        eos_after: int | None = None,
     ) -> None:
         self.url = url
+        self.token_range = token_range
+        """(low, high): generated ids wrap from high - 1 to low (None: they count up)."""
+        self.eos_after = eos_after
+        """A request's EOS token (its ``_eos_token_id``, if it has one) is generated as
+        its `eos_after`-th token (after ``min_tokens``): the answer ends as a model's
+        does (None: never)."""
         self.size = size
         self.moe = moe
         self.sync_interval = sync_interval
@@ -322,12 +377,18 @@ class FakeVllmGroup:
         return engine
 
     def close(self) -> None:
+        """Close every engine's sockets and the group's ZeroMQ context."""
         for e in self.engines:
             e.close()
         self.context.destroy(linger=0)
 
 
 class FakeVllmEngine:
+    """One fake engine core: rank `rank` of `group`, a headless `EngineCoreProc` (or
+    `DPEngineCoreProc` for a MoE group). `run` it: it connects to the group's URL, does
+    the handshake and serves until it is cancelled or a fault stops it (module
+    docstring)."""
+
     SETTINGS = (
         "version",
         "max_model_len",
@@ -416,6 +477,7 @@ class FakeVllmEngine:
         return zs
 
     def close(self) -> None:
+        """Close the engine's sockets and DP listeners (a dead process's are gone)."""
         for zs in self.sockets:
             zs.close()
         self.sockets = []
@@ -426,6 +488,7 @@ class FakeVllmEngine:
     # -- life -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Start up and serve until cancelled, `vanish()`ed, `die()`d or refused."""
         with self.cancel:
             try:
                 await self._run()
@@ -620,6 +683,7 @@ class FakeVllmEngine:
             await self._seen.wait()
 
     def got(self, kind: str) -> list[Any]:
+        """Every message of `kind` received ("add", "abort", "utility", "start_dp_wave")."""
         return [v for k, v in self.received if k == kind]
 
     def send_raw(self, frames: list[bytes]) -> None:
@@ -647,6 +711,7 @@ class FakeVllmEngine:
     # -- the busy loop (vLLM's EngineCoreProc / DPEngineCoreProc) -----------------------
 
     def has_work(self) -> bool:
+        """The busy loop steps (`EngineCoreProc._process_engine_step` would run)."""
         return self.engines_running or bool(self.requests) or bool(self._finished_since)
 
     async def _busy_loop(self, out: ZSocket, coord: ZSocket | None) -> None:
@@ -722,7 +787,7 @@ class FakeVllmEngine:
             for st in self.requests.values()
             if st["scheduled"]
         )
-        return min(1.0, blocks / self.num_gpu_blocks)
+        return min(1.0, float(blocks) / self.num_gpu_blocks)
 
     def _published_stats(self) -> dict[str, Any]:
         if self.stats_override is not None:
@@ -779,12 +844,13 @@ class FakeVllmEngine:
         sp = req[3]
         rid = req[0]
         self.requests[rid] = {
-            "next": req[1][-1] + 1,
+            "next": self._next_token(req[1][-1]),
             "prompt": len(req[1]),
             "generated": 0,
             "left": sp.get("max_tokens", 16),
             "eos": sp.get("_eos_token_id"),
             "stops": set(sp.get("stop_token_ids", [])),
+            "eos_at": self._eos_at(sp),
             "scheduled": False,
             "events": [{"type": QUEUED, "timestamp": time.monotonic()}] if self.log_stats else [],
             "trace_headers": req[14] if len(req) > 14 else None,
@@ -808,6 +874,23 @@ class FakeVllmEngine:
             # "Engines alone start waves: have the coordinator wake the others."
             self.engines_running = True
             coord.send_nowait([outputs_message(self.rank, start_wave=self.current_wave)])
+
+    def _eos_at(self, sp: dict[str, Any]) -> int | None:
+        """Which generated token is the request's EOS (`FakeVllmGroup.eos_after`)."""
+        after = self.group.eos_after
+        eos = sp.get("_eos_token_id")
+        if after is None or type(eos) is not int:
+            return None
+        min_tokens = sp.get("min_tokens", 0)
+        return max(after, (min_tokens if type(min_tokens) is int else 0) + 1)
+
+    def _next_token(self, token: int) -> int:
+        """The id generated after `token`: the next one, wrapped into `token_range`."""
+        bounds = self.group.token_range
+        if bounds is None:
+            return token + 1
+        low, high = bounds
+        return token + 1 if low <= token < high - 1 else low
 
     def _finished(self, rid: str) -> None:
         self._finished_since.add(rid)
@@ -859,7 +942,9 @@ class FakeVllmEngine:
             finish = stop = None
             for _ in range(self.tokens_per_step):
                 t = st["next"]
-                st["next"] += 1
+                st["next"] = self._next_token(t)
+                if st["generated"] + 1 == st["eos_at"]:
+                    t = st["eos"]
                 st["left"] -= 1
                 st["generated"] += 1
                 tokens.append(t)
@@ -944,9 +1029,11 @@ class FakeVllmEngine:
         self.changed.set()
 
     def freeze(self) -> None:
+        """Keep the sockets but stop stepping: a silent engine."""
         self.frozen = True
 
     def vanish(self) -> None:
+        """Close every socket without a word, as a killed process's."""
         self.cancel.cancel()
 
     def die(self) -> None:
@@ -958,6 +1045,86 @@ class FakeVllmEngine:
                 zs.send_nowait([ENGINE_CORE_DEAD])
                 break
         self.cancel.cancel()
+
+
+def text_token_range(model_dir: str | Path) -> tuple[int, int] | None:
+    """The longest run of consecutive token ids of the model's tokenizer.json that are
+    one printable ASCII character each (a byte-level BPE's ``!`` to ``~``), as (low,
+    high), for `FakeVllmGroup.token_range`: the fakes' answers are then readable text.
+    None if there is no run of 16 or more (or no tokenizer.json)."""
+    try:
+        data = json.loads((Path(model_dir) / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(vocab, dict):
+        return None
+    ids = sorted(
+        i
+        for piece, i in vocab.items()
+        if type(i) is int and len(piece) == 1 and "!" <= piece <= "~"
+    )
+    best: tuple[int, int] | None = None
+    start = 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or ids[k] != ids[k - 1] + 1:
+            if best is None or ids[k - 1] + 1 - ids[start] > best[1] - best[0]:
+                best = (ids[start], ids[k - 1] + 1)
+            start = k
+    return best if best is not None and best[1] - best[0] >= 16 else None
+
+
+def model_settings(model_dir: str | Path) -> dict[str, Any]:
+    """`FakeVllmGroup` settings for the model in `model_dir`: its context
+    (`max_model_len`, from config.json's max_position_embeddings or
+    tokenizer_config.json's model_max_length) and its readable `token_range`."""
+    settings: dict[str, Any] = {"token_range": text_token_range(model_dir)}
+    for name, key in (
+        ("config.json", "max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        try:
+            value = json.loads((Path(model_dir) / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if type(value) is int and 0 < value < 1 << 40:
+            settings["max_model_len"] = value
+            break
+    return settings
+
+
+async def run_fake_group(
+    group: FakeVllmGroup,
+    ranks: Sequence[int] | None = None,
+    report: Callable[[int, str | None], None] | None = None,
+) -> None:
+    """Run `ranks` of `group` (every rank by default) until each has stopped (cancel
+    to stop them; the group's context is destroyed on the way out). `report(rank,
+    None)` is called when a rank's handshake with the frontend is done, and
+    `report(rank, why)` when a rank stops (refused its init, died, vanished)."""
+
+    async def one(engine: FakeVllmEngine) -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def up() -> None:
+                await engine.up.wait()
+                if report is not None:
+                    report(engine.rank, None)
+
+            nursery.start_soon(up)
+            await engine.run()
+            nursery.cancel_scope.cancel()
+        if report is not None:
+            why = engine.refused or ("died" if engine.dead else "stopped")
+            report(engine.rank, why)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            group.nursery = nursery
+            for rank in range(group.size) if ranks is None else ranks:
+                nursery.start_soon(one, group.engines[rank])
+    finally:
+        group.close()
 
 
 def _init_problem(init: Any) -> str | None:
