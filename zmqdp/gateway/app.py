@@ -55,11 +55,13 @@ import logging
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Any
 
 import sniffio
+import trio
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -324,6 +326,92 @@ class GatewayApp:
             raise RuntimeError("the gateway's lifespan has not started")
         await self._drained.wait()
 
+    def lifespan(self, app: object = None) -> AbstractAsyncContextManager[None]:
+        """The app's lifespan as an ``async with`` block, for a host that does not run
+        it: FastAPI and Starlette never run a mounted app's lifespan. The block starts
+        as ``lifespan.startup`` does (the embedded mock, then `connect`, waiting for
+        every rank; a failure raises `RuntimeError` with the reason), serves while
+        it runs, and drains and closes the group on the way out, as a server's
+        ``lifespan.shutdown`` would. `begin_drain`, `stop_now` and `wait_drained` work
+        as under a server.
+
+        `app` is ignored: it lets FastAPI take the method itself,
+        ``FastAPI(lifespan=gateway.lifespan)``. In a host lifespan of its own::
+
+            @asynccontextmanager
+            async def lifespan(app):
+                async with gateway.lifespan():
+                    yield
+
+        On trio or asyncio (`zmqdp.aio.AsyncioEngineGroup` then), as the server's
+        lifespan."""
+        return self._run_lifespan()
+
+    @asynccontextmanager
+    async def _run_lifespan(self) -> AsyncIterator[None]:
+        if self._drained is not None:
+            raise RuntimeError("the gateway's lifespan has already run (or is running)")
+        library = sniffio.current_async_library()
+        replies: list[Mapping[str, Any]] = []
+        answered = backend_for(library).event()
+        shutdown = backend_for(library).event()
+        asked: list[str] = []
+
+        async def receive() -> Mapping[str, Any]:
+            if not asked:
+                asked.append("startup")
+                return {"type": "lifespan.startup"}
+            await shutdown.wait()
+            return {"type": "lifespan.shutdown"}
+
+        async def send(message: dict[str, Any]) -> None:
+            replies.append(message)
+            answered.set()
+
+        async def reply() -> Mapping[str, Any]:
+            nonlocal answered
+            await answered.wait()
+            answered = backend_for(library).event()
+            return replies[-1]
+
+        async def ended(message: Mapping[str, Any], step: str) -> None:
+            if message["type"] == f"lifespan.{step}.failed":
+                raise RuntimeError(f"the gateway's {step} failed: {message.get('message')}")
+
+        if library == "trio":
+            # Errors are raised after the nursery, as themselves (no ExceptionGroup).
+            started: Mapping[str, Any] = {}
+            stopped: Mapping[str, Any] = {}
+            error: BaseException | None = None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._lifespan, receive, send)
+                started = await reply()
+                if started["type"] == "lifespan.startup.complete":
+                    try:
+                        yield
+                    except BaseException as exc:  # re-raised below, once drained
+                        error = exc
+                    with trio.CancelScope(shield=True):  # drained and closed, whatever
+                        shutdown.set()
+                        stopped = await reply()
+            await ended(started, "startup")
+            if error is not None:
+                raise error
+            await ended(stopped, "shutdown")
+            return
+        task = asyncio.create_task(self._lifespan(receive, send))
+        try:
+            await ended(await reply(), "startup")
+            try:
+                yield
+            finally:
+                shutdown.set()
+                await ended(await reply(), "shutdown")
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.wait((task,))
+
     # -- ASGI -------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -341,7 +429,7 @@ class GatewayApp:
             return
         if self._backend is None:  # no lifespan (an embedded group): pick it now
             self._use(backend_for(sniffio.current_async_library()))
-        path = scope["path"]
+        path = _route_path(scope)
         route = self._routes.get(path)
         if route is None and path.startswith("/v1/models/"):
             route = ("models", "GET", self._model)
@@ -400,6 +488,23 @@ class GatewayApp:
         self, scope: Scope, receive: Receive, send: Send, *, chat: bool = False
     ) -> None:
         assert self._backend is not None and self._stopping is not None
+        if self._group is None and self._owns_group and self._drained is None:
+            # mounted in a framework that does not run a sub-app's lifespan (Starlette)
+            await self._error(
+                send,
+                "chat" if chat else "completions",
+                HTTPError(
+                    503,
+                    "service_unavailable",
+                    "not_started",
+                    "the gateway's lifespan never ran, so its engine group is not "
+                    "connected: an app mounted in FastAPI or Starlette needs "
+                    "FastAPI(lifespan=gateway.lifespan) (or `async with "
+                    "gateway.lifespan():` in the host's own lifespan)",
+                    retry_after=self._settings.retry_after,
+                ),
+            )
+            return
         await handle_completion(
             scope,
             receive,
@@ -419,7 +524,7 @@ class GatewayApp:
 
     async def _model(self, scope: Scope, receive: Receive, send: Send) -> None:
         """`GET /v1/models/{id}`: the model object, or 404 as OpenAI answers it."""
-        name = scope["path"][len("/v1/models/") :]
+        name = _route_path(scope)[len("/v1/models/") :]
         exchange = Exchange(send, "models", self.counters)
         if name in self._settings.served:
             await exchange.respond(200, json.dumps(_model_object(name)).encode())
@@ -555,6 +660,19 @@ class GatewayApp:
             await group.drain(self._drain_timeout)
             log.info("the engine group is drained")
         self._drained.set()
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes match: ``scope["path"]`` less ``scope["root_path"]`` where
+    the server or framework left it there (Starlette's `Mount` and uvicorn's
+    ``--root-path`` keep the full path, as ASGI now says; older ones strip it)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path") or ""
+    if root and path.startswith(root):
+        rest = path[len(root.rstrip("/")) :]
+        if not rest or rest.startswith("/"):
+            return rest or "/"
+    return path
 
 
 def _model_object(name: str) -> dict[str, Any]:
