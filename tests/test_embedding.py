@@ -12,6 +12,9 @@ subprocess)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
+import pydoc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -250,3 +253,44 @@ async def test_run_mock_group_started_before_its_client_does_not_hang(tmp_path: 
             async with EngineGroup.connect(url, 2) as group, group.submit(request) as stream:
                 assert [out.finish async for out in stream] == ["length"]
             nursery.cancel_scope.cancel()
+
+
+# -- connect's options, visible to help(), IDEs and type checkers ------------------------
+
+
+def test_connect_keywords_and_signatures_list_every_connect_option_as_connect_options() -> None:
+    from zmqdp import ConnectKeywords, ConnectOptions
+    from zmqdp.aio import AsyncioEngineGroup
+    from zmqdp.vllm import connect as vllm_connect
+
+    fields = {f.name: f for f in dataclasses.fields(ConnectOptions)}
+    keywords = {n: t.__forward_arg__ for n, t in ConnectKeywords.__annotations__.items()}
+    assert keywords == {n: f.type for n, f in fields.items()}  # same names, same types
+    for connect in (EngineGroup.connect, AsyncioEngineGroup.connect, vllm_connect):
+        params = inspect.signature(connect).parameters
+        shown = {n: p.default for n, p in params.items() if n in fields}
+        assert shown == {n: f.default for n, f in fields.items()}, connect
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
+        shown_by_help = pydoc.render_doc(connect, renderer=pydoc.plaintext)
+        assert "ready_timeout: 'float | None' = None," in shown_by_help
+
+
+def test_mypy_rejects_a_misspelt_or_mistyped_connect_option(tmp_path: Path) -> None:
+    api = pytest.importorskip("mypy.api")
+    source = tmp_path / "host.py"
+    source.write_text(
+        "from zmqdp import EngineGroup\n"
+        "from zmqdp.aio import AsyncioEngineGroup\n\n\n"
+        "async def main() -> None:\n"
+        '    async with EngineGroup.connect("ipc:///x", 2, ready_timout=5):\n'
+        "        pass\n"
+        '    async with AsyncioEngineGroup.connect("ipc:///x", 2, max_inflight="all"):\n'
+        "        pass\n"
+        '    async with EngineGroup.connect("ipc:///x", 2, ready_timeout=5, routing="speed"):\n'
+        "        pass\n"
+    )
+    out, _, status = api.run(["--strict", "--cache-dir", str(tmp_path / "cache"), str(source)])
+    assert status == 1, out
+    assert 'host.py:6: error: Unexpected keyword argument "ready_timout"' in out
+    assert 'host.py:8: error: Argument "max_inflight"' in out
+    assert "Found 2 errors in 1 file" in out  # the third, correct call passes
