@@ -51,10 +51,12 @@ class _Server(uvicorn.Server):  # type: ignore[misc]
 
 
 @asynccontextmanager
-async def served(app: Any) -> AsyncIterator[str]:
-    """`app` on uvicorn in this loop on 127.0.0.1 (port 0): its base URL."""
+async def served(app: Any, **options: Any) -> AsyncIterator[str]:
+    """`app` on uvicorn in this loop on 127.0.0.1 (port 0): its base URL. `options`:
+    more of uvicorn's `Config` (`root_path`)."""
     config = uvicorn.Config(
         app,
+        **options,
         host="127.0.0.1",
         port=0,
         lifespan="on",
@@ -132,7 +134,8 @@ def test_fastapi_mounts_the_gateway_and_the_openai_client_completes_chats_and_st
                     )
                 ]
                 assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-                assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 4
+                text = "".join(c.choices[0].text for c in chunks if c.choices)
+                assert text == " t1001 t1002 t1003 t1004"  # (a chunk may carry several)
                 assert [m.id async for m in oa.models.list()] == ["tiny"]
             async with httpx.AsyncClient(base_url=base) as client:
                 own = await client.get("/own")  # the host's own route, beside the mount
@@ -175,7 +178,54 @@ def test_lifespan_raises_the_startup_failure_as_itself() -> None:
     run_limited(asyncio.run, main)
 
 
+def test_uvicorn_root_path_routes_below_the_prefix() -> None:
+    gateway = create_app(mock=FAST, model="tiny")
+
+    async def main() -> None:
+        # `serve --root-path`: behind a proxy that strips /llm, uvicorn puts it back in
+        # front of every path (scope["path"] "/llm/v1/models"), as ASGI says
+        async with (
+            served(gateway, root_path="/llm") as base,
+            httpx.AsyncClient(base_url=base) as client,
+        ):
+            answer = await client.get("/v1/models")
+            assert answer.status_code == 200
+            assert answer.json()["data"][0]["id"] == "tiny"
+            missing = await client.get("/v2/models")
+            assert missing.status_code == 404
+            assert "'/llm/v2/models'" in missing.json()["error"]["message"]
+
+    run_limited(asyncio.run, main)
+
+
 # -- an embedder's own endpoint: until_disconnected --------------------------------------
+
+
+async def test_until_disconnected_on_trio_cancels_the_work_or_returns_its_value() -> None:
+    left = trio.Event()
+    cancelled: list[bool] = []
+
+    async def receive() -> dict[str, Any]:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def forever() -> int:
+        try:
+            left.set()  # the client leaves while the work runs
+            await trio.sleep_forever()
+        finally:
+            cancelled.append(True)
+        return 0  # pragma: no cover
+
+    async def quick() -> int:
+        return 7
+
+    with trio.fail_after(5):
+        with pytest.raises(ClientDisconnected):
+            await until_disconnected(receive, forever)
+        assert cancelled == [True]
+        left = trio.Event()  # a client that stays
+        assert await until_disconnected(receive, quick) == 7
 
 
 def test_a_hand_written_endpoint_aborts_its_request_when_its_client_leaves() -> None:
