@@ -323,6 +323,11 @@ def test_connect_keywords_and_signatures_list_every_connect_option_as_connect_op
         assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
         shown_by_help = pydoc.render_doc(connect, renderer=pydoc.plaintext)
         assert "ready_timeout: 'float | None' = None," in shown_by_help
+    # create_app takes them too, with two defaults of its own
+    params = inspect.signature(create_app).parameters
+    shown = {n: p.default for n, p in params.items() if n in fields}
+    ours = {"max_buffered": 4096, "recover": True}
+    assert shown == {n: ours.get(n, f.default) for n, f in fields.items()}
 
 
 def test_mypy_rejects_a_misspelt_or_mistyped_connect_option(tmp_path: Path) -> None:

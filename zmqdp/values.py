@@ -426,15 +426,17 @@ class ConnectKeywords(TypedDict, total=False):
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def with_connect_options(fn: F) -> F:
+def with_connect_options(fn: F, defaults: Mapping[str, Any] | None = None) -> F:
     """`fn` with its ``**options`` shown as `ConnectOptions`'s fields (keyword-only,
-    with their defaults) in `inspect.signature` and so in `help()`: the run-time view
-    of its ``Unpack[ConnectKeywords]`` annotation."""
+    with their defaults, or those of `defaults`) in `inspect.signature` and so in
+    `help()`: the run-time view of its ``Unpack[ConnectKeywords]`` annotation."""
     signature = inspect.signature(fn)
     params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    defaults = defaults or {}
     params += [
         inspect.Parameter(
-            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+            f.name, keyword, default=defaults.get(f.name, f.default), annotation=f.type
         )
         for f in dataclasses.fields(ConnectOptions)
     ]

@@ -6,7 +6,9 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (completions.
 if the frontend renders one), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET
 /health`` (liveness: 200 while the group serves), ``GET /ready`` (readiness: 200 while
 it takes requests and no drain was asked for), ``GET /metrics`` (metrics.py). With an
-`api_key`, the ``/v1/`` routes need its bearer token.
+`api_key`, the ``/v1/`` routes need its bearer token. Routes match the path below the
+ASGI ``root_path`` (a Starlette `Mount`, uvicorn's ``--root-path``), whether the server
+left that prefix in ``path`` or not.
 
 The lifespan owns the group. At ``lifespan.startup`` the app picks its backend from
 `sniffio.current_async_library()` (trio: `EngineGroup`; asyncio:
@@ -14,7 +16,10 @@ The lifespan owns the group. At ``lifespan.startup`` the app picks its backend f
 connects (waiting for every rank, up to `ready_timeout`); a failure there is
 ``lifespan.startup.failed`` with the reason, and the server does not start. The lifespan
 task then holds the group open until shutdown. An app given an already connected group
-(`create_app(group=...)`) neither connects nor closes it.
+(`create_app(group=...)`) neither connects nor closes it. A host that runs no lifespan
+for the app (FastAPI and Starlette never run a mounted app's) runs the same lifespan
+task through `GatewayApp.lifespan()`, an ``async with`` block that plays the server's
+part of the protocol; until it runs, completions answer 503 ``not_started``.
 
 Drain, in this order:
 
@@ -58,7 +63,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Unpack
 
 import sniffio
 import trio
@@ -70,6 +75,7 @@ from prometheus_client import (
 )
 
 from ..mock import MockConfig
+from ..values import ConnectKeywords, with_connect_options
 from .backends import Backend, EventLike, GroupLike, backend_for
 from .completions import CompletionSettings, LiveResponses, handle_completion
 from .errors import HTTPError
@@ -122,17 +128,19 @@ def create_app(
     max_collected_tokens: int | None = DEFAULT_MAX_COLLECTED_TOKENS,
     max_collected_chars: int | None = DEFAULT_MAX_COLLECTED_CHARS,
     dialect: Frontend | None = None,
-    **connect_options: Any,
+    **options: Unpack[ConnectKeywords],
 ) -> GatewayApp:
     """An OpenAI-compatible ASGI app (completions, chat completions, models, probes and
     metrics: app.py) over an engine group.
 
-    The app connects to `url` and `engines` ranks at lifespan startup with
-    `connect_options` (`ready_timeout`, `silence_timeout`, `max_inflight`,
-    `request_timeout`, `max_buffered` (default here `DEFAULT_MAX_BUFFERED`), `recover`
-    (default here True: a failed lockstep group waits for its ranks, `/ready` answers
-    503 meanwhile and `/health` 200), `curve`...: those of `EngineGroup.connect`), and
-    drains and closes the group at shutdown. `mock` also runs a mock group (engines
+    The app connects to `url` and `engines` ranks at lifespan startup (a server's, or
+    `GatewayApp.lifespan` for a host that runs none, such as FastAPI for a mounted
+    app) with `options`, those of `EngineGroup.connect` (`zmqdp.ConnectOptions`:
+    `ready_timeout`, `max_inflight`, `request_timeout`, `curve`...; `max_buffered`
+    defaults here to `DEFAULT_MAX_BUFFERED`, and `recover` to True: a failed lockstep
+    group waits for its ranks, `/ready` answers 503 meanwhile and `/health` 200), and
+    drains and closes the group at shutdown. Mounted under a prefix (ASGI
+    `root_path`), it routes on the path below it. `mock` also runs a mock group (engines
     from the config unless `engines` says otherwise) on `url`, or on a private ipc path
     if `url` is None. `group`: serve an already connected group instead (the caller
     owns it: give no `url`, `engines`, `mock` or connect options).
@@ -164,6 +172,7 @@ def create_app(
 
     `dialect`: the old name of `frontend`, deprecated (the wire's dialect is `wire`).
     """
+    connect_options: dict[str, Any] = dict(options)
     if dialect is not None:
         if frontend is not None:
             raise TypeError("create_app: give frontend=, not also its deprecated name dialect=")
@@ -660,6 +669,11 @@ class GatewayApp:
             await group.drain(self._drain_timeout)
             log.info("the engine group is drained")
         self._drained.set()
+
+
+with_connect_options(
+    create_app, defaults={"max_buffered": DEFAULT_MAX_BUFFERED, "recover": True}
+)  # help(create_app) lists connect's options, with the defaults it gives them
 
 
 def _route_path(scope: Scope) -> str:
