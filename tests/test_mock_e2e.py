@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import sys
 from collections import Counter
+from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -313,7 +314,7 @@ async def test_run_mock_group_reports_only_the_ranks_that_are_up(tmp_path: Path)
                     pass  # pragma: no cover - rank 1 never comes
 
             nursery.start_soon(client)
-            up = await nursery.start(run_mock_group, url, cfg)
+            up = await nursery.start(partial(run_mock_group, wait_for_client=True), url, cfg)
             assert up == (0,)
             nursery.cancel_scope.cancel()
 
@@ -329,7 +330,9 @@ async def test_run_mock_group_raises_when_every_rank_is_rejected(tmp_path: Path)
 
             nursery.start_soon(client)
             with pytest.raises(MockRejected) as rejected:
-                await nursery.start(run_mock_group, url, MockConfig(engines=2))
+                await nursery.start(
+                    partial(run_mock_group, wait_for_client=True), url, MockConfig(engines=2)
+                )
             nursery.cancel_scope.cancel()
     message = str(rejected.value)
     assert message.startswith("rank ") and "(and 1 more rank(s) likewise)" in message

@@ -43,6 +43,7 @@ from ._transport import GroupDialect
 from .client import EngineGroup
 from .stream import RequestStream
 from .values import (
+    ConnectKeywords,
     ConnectOptions,
     EngineInfo,
     GroupHealth,
@@ -57,6 +58,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "NATIVE",
     "CallFailed",
+    "ConnectKeywords",
     "ConnectOptions",
     "GroupDialect",
     "NativeWire",

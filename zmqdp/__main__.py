@@ -205,6 +205,8 @@ def mock_config(args: argparse.Namespace) -> MockConfig:
 
 
 def run_mock(args: argparse.Namespace) -> int:
+    from functools import partial
+
     from .fdlimit import raise_open_files_limit
     from .mock import MockRejected, run_mock_group
 
@@ -232,7 +234,9 @@ def run_mock(args: argparse.Namespace) -> int:
                 banner = mock_banner(args.url, cfg.engines, cfg.ranks, cfg.lockstep, cfg.keys)
                 print(banner, flush=True)
                 try:
-                    up = await nursery.start(run_mock_group, args.url, cfg)
+                    up = await nursery.start(
+                        partial(run_mock_group, wait_for_client=True), args.url, cfg
+                    )
                 except MockRejected as exc:  # no rank serves: say why, and exit
                     print(f"zmqdp mock: error: {exc}", file=sys.stderr, flush=True)
                     nursery.cancel_scope.cancel()

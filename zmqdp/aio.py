@@ -83,7 +83,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, Unpack, cast
 
 import outcome
 import trio
@@ -96,12 +96,14 @@ from ._util import NoPublicConstructor, collapse, open_service_nursery
 from .client import EngineGroup
 from .stream import RequestStream
 from .values import (
+    ConnectKeywords,
     ConnectOptions,
     EngineInfo,
     GroupHealth,
     GroupStatistics,
     RankState,
     connect_options,
+    with_connect_options,
 )
 
 __all__ = ["AsyncioEngineGroup", "AsyncioRequestStream"]
@@ -396,6 +398,7 @@ class AsyncioEngineGroup(Generic[R], metaclass=NoPublicConstructor):
         """Whether the ranks step in lockstep (docs/protocol.md §5)."""
 
     @classmethod
+    @with_connect_options
     @asynccontextmanager
     async def connect(
         cls,
@@ -404,7 +407,7 @@ class AsyncioEngineGroup(Generic[R], metaclass=NoPublicConstructor):
         *,
         dialect: GroupDialect[Any] = NATIVE,
         options: ConnectOptions | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[ConnectKeywords],
     ) -> AsyncIterator[AsyncioEngineGroup[Any]]:
         """Start trio as a guest of the running loop, bind the group URL, wait for all
         `engines` ranks, and serve them. `dialect`: `zmqdp.NATIVE` (native engines,

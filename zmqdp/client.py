@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, Unpack, cast
 
 import trio
 from trio_util import AsyncValue
@@ -80,6 +80,7 @@ from ._util import NoPublicConstructor
 from .fdlimit import raise_open_files_limit
 from .stream import RequestStream
 from .values import (
+    ConnectKeywords,
     ConnectOptions,
     EngineInfo,
     GroupHealth,
@@ -90,6 +91,7 @@ from .values import (
     WatchedValue,
     check_engines,
     connect_options,
+    with_connect_options,
 )
 
 __all__ = [  # the value types too: their old home, so old imports keep working
@@ -182,15 +184,22 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
     # -- connecting -------------------------------------------------------------------
 
     @classmethod
+    @with_connect_options
     @asynccontextmanager
     async def connect(
-        cls, url: str, engines: int, *, options: ConnectOptions | None = None, **kwargs: Any
+        cls,
+        url: str,
+        engines: int,
+        *,
+        options: ConnectOptions | None = None,
+        **kwargs: Unpack[ConnectKeywords],
     ) -> AsyncIterator[EngineGroup[Request]]:
         """Bind the group URL, wait for all `engines` native engines, and serve them.
 
         The keyword arguments are `zmqdp.ConnectOptions`'s, each explained there (or
-        pass one record as `options`). Engines that kept running after an earlier
-        client went away are picked up (RESYNC, docs/protocol.md §2.5).
+        pass one record as `options`); type checkers know them (`ConnectKeywords`).
+        Engines that kept running after an earlier client went away are picked up
+        (RESYNC, docs/protocol.md §2.5).
 
         Raises `HandshakeTimeout` after `ready_timeout` (60 s) without every rank: it
         names the URL, the ranks that came up, each missing one and what to do next.
@@ -206,6 +215,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
             yield group
 
     @classmethod
+    @with_connect_options
     @asynccontextmanager
     async def open(
         cls,
@@ -215,7 +225,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         options: ConnectOptions | None = None,
         *,
         stream_class: type[RequestStream] | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[ConnectKeywords],
     ) -> AsyncIterator[EngineGroup[S]]:
         """`connect` on any wire: `dialect` is `zmqdp.NATIVE` or `zmqdp.vllm.dialect(...)`
         (what `zmqdp.vllm.connect` calls). `stream_class`: the streams `submit` makes.

@@ -472,11 +472,21 @@ async def run_mock_group(
     url: str,
     cfg: MockConfig,
     *,
+    wait_for_client: bool = False,
     task_status: trio.TaskStatus[tuple[int, ...]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the group until cancelled. `task_status.started(ranks)` once every rank is
-    up or rejected by the client, with the ranks that are up; `MockRejected` if the
-    client rejected them all (a mock of the wrong size or mode: nothing would serve)."""
+    """Run the group until cancelled: each rank dials `url`, where the client binds.
+
+    ``await nursery.start(run_mock_group, url, cfg)`` returns the ranks it runs once
+    they are dialling, before any client is there: the client's `connect` comes next,
+    in the same task, and completes their handshakes. A rank the client rejects (a
+    mock of the wrong size or mode) is logged; if it rejects them all, `MockRejected`
+    (from the task, into its nursery).
+
+    `wait_for_client`: `started(ranks)` only once every rank is up or rejected by the
+    client, with the ranks that are up, and `MockRejected` from `start` itself if the
+    client rejected them all (`zmqdp mock` says which ranks are up this way). The
+    client must then be connecting from another task, or `start` waits forever."""
     collective = _Collective(cfg.engines) if cfg.lockstep else None
     if cfg.ranks is not None and cfg.lockstep:
         raise ValueError("lockstep ranks step together: run them all in one process")
@@ -485,6 +495,8 @@ async def run_mock_group(
     async with trio.open_nursery() as nursery:
         for rank in ranks:
             nursery.start_soon(rank.run, name=f"zmqdp-mock-rank{rank.rank}")
+        if not wait_for_client:
+            task_status.started(tuple(which))
         for rank in ranks:
             await rank.up.wait()
         up = tuple(rank.rank for rank in ranks if rank.rejected is None)
@@ -492,7 +504,8 @@ async def run_mock_group(
             for rank in ranks:
                 if rank.rejected is not None:
                     log.error("%s; it does not serve", rank.rejected)
-            task_status.started(up)
+            if wait_for_client:
+                task_status.started(up)
     # every rank was rejected (and so has returned): nothing serves
     reasons = [rank.rejected for rank in ranks if rank.rejected is not None]
     more = f" (and {len(reasons) - 1} more rank(s) likewise)" if len(reasons) > 1 else ""

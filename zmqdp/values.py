@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypedDict, TypeVar
 
 from ._core.messages import DEFAULT_MAX_MESSAGE_SIZE, Load, check_timeout
 from ._core.metrics import HistogramSnapshot
@@ -40,6 +41,7 @@ def check_engines(engines: object) -> int:
 
 
 __all__ = [
+    "ConnectKeywords",
     "ConnectOptions",
     "EngineInfo",
     "GroupHealth",
@@ -413,7 +415,55 @@ class ConnectOptions:
             )
 
 
-def connect_options(options: ConnectOptions | None, kwargs: dict[str, Any]) -> ConnectOptions:
+class ConnectKeywords(TypedDict, total=False):
+    """`ConnectOptions`'s fields as keyword arguments: ``**options:
+    Unpack[ConnectKeywords]`` in `connect`'s signatures lets type checkers and IDEs
+    list and check them (a misspelt option is an error); `help()` lists them through
+    `with_connect_options`. Kept equal to `ConnectOptions` by a test."""
+
+    ready_timeout: float | None
+    silence_timeout: float
+    send_timeout: float
+    stall_timeout: float
+    advertise_host: str | None
+    max_message_size: int
+    max_buffered: int | None
+    max_inflight: int | Literal["info"] | None
+    routing: Literal["least-loaded", "speed"]
+    request_timeout: float | None
+    curve: Any
+    insecure: bool
+    heartbeat_interval: float | None
+    heartbeat_timeout: float
+    recover: bool
+    recover_timeout: float | None
+    raise_fd_limit: bool
+    stream_interval: int
+    stream_max_delay: float | None
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def with_connect_options(fn: F, defaults: Mapping[str, Any] | None = None) -> F:
+    """`fn` with its ``**options`` shown as `ConnectOptions`'s fields (keyword-only,
+    with their defaults, or those of `defaults`) in `inspect.signature` and so in
+    `help()`: the run-time view of its ``Unpack[ConnectKeywords]`` annotation."""
+    signature = inspect.signature(fn)
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    defaults = defaults or {}
+    params += [
+        inspect.Parameter(
+            f.name, keyword, default=defaults.get(f.name, f.default), annotation=f.type
+        )
+        for f in dataclasses.fields(ConnectOptions)
+    ]
+    fn.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return fn
+
+
+def connect_options(options: ConnectOptions | None, kwargs: Mapping[str, Any]) -> ConnectOptions:
     """`options`, or the `ConnectOptions` the keywords make: what every `connect` and
     opener takes (`options=` or keywords, not both: `TypeError`)."""
     if options is None:

@@ -19,6 +19,7 @@ Modules, in the order a request meets them:
 * `metrics`: `/metrics`, a Prometheus collector over `statistics()`;
 * `backends`: the little the gateway needs from trio or asyncio;
 * `http`: plain-ASGI plumbing;
+* `embed`: the disconnect watch for an embedder's own endpoints;
 * `serve`: the `serve` command, uvicorn (the default) or hypercorn, SIGTERM drains.
 
 Needs the ``gateway`` extra (prometheus-client; hypercorn or uvicorn to serve).
@@ -27,11 +28,13 @@ Needs the ``gateway`` extra (prometheus-client; hypercorn or uvicorn to serve).
 from ._renamed import renamed
 from .app import GatewayApp, create_app
 from .backends import GroupLike, StreamLike
+from .embed import ClientDisconnected, until_disconnected
 from .errors import HTTPError
 from .frontend import CompletionRequest, Frontend, MockFrontend, Piece, Prepared
 from .vllm_frontend import VllmFrontend
 
 __all__ = [
+    "ClientDisconnected",
     "CompletionRequest",
     "Frontend",
     "GatewayApp",
@@ -43,6 +46,7 @@ __all__ = [
     "StreamLike",
     "VllmFrontend",
     "create_app",
+    "until_disconnected",
 ]
 
 __getattr__ = renamed(__name__)  # the names from before the frontend rename, deprecated

@@ -6,7 +6,9 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (completions.
 if the frontend renders one), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET
 /health`` (liveness: 200 while the group serves), ``GET /ready`` (readiness: 200 while
 it takes requests and no drain was asked for), ``GET /metrics`` (metrics.py). With an
-`api_key`, the ``/v1/`` routes need its bearer token.
+`api_key`, the ``/v1/`` routes need its bearer token. Routes match the path below the
+ASGI ``root_path`` (a Starlette `Mount`, uvicorn's ``--root-path``), whether the server
+left that prefix in ``path`` or not.
 
 The lifespan owns the group. At ``lifespan.startup`` the app picks its backend from
 `sniffio.current_async_library()` (trio: `EngineGroup`; asyncio:
@@ -14,7 +16,10 @@ The lifespan owns the group. At ``lifespan.startup`` the app picks its backend f
 connects (waiting for every rank, up to `ready_timeout`); a failure there is
 ``lifespan.startup.failed`` with the reason, and the server does not start. The lifespan
 task then holds the group open until shutdown. An app given an already connected group
-(`create_app(group=...)`) neither connects nor closes it.
+(`create_app(group=...)`) neither connects nor closes it. A host that runs no lifespan
+for the app (FastAPI and Starlette never run a mounted app's) runs the same lifespan
+task through `GatewayApp.lifespan()`, an ``async with`` block that plays the server's
+part of the protocol; until it runs, completions answer 503 ``not_started``.
 
 Drain, in this order:
 
@@ -55,11 +60,13 @@ import logging
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Unpack
 
 import sniffio
+import trio
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -68,6 +75,7 @@ from prometheus_client import (
 )
 
 from ..mock import MockConfig
+from ..values import ConnectKeywords, with_connect_options
 from .backends import Backend, EventLike, GroupLike, backend_for
 from .completions import CompletionSettings, LiveResponses, handle_completion
 from .errors import HTTPError
@@ -120,17 +128,19 @@ def create_app(
     max_collected_tokens: int | None = DEFAULT_MAX_COLLECTED_TOKENS,
     max_collected_chars: int | None = DEFAULT_MAX_COLLECTED_CHARS,
     dialect: Frontend | None = None,
-    **connect_options: Any,
+    **options: Unpack[ConnectKeywords],
 ) -> GatewayApp:
     """An OpenAI-compatible ASGI app (completions, chat completions, models, probes and
     metrics: app.py) over an engine group.
 
-    The app connects to `url` and `engines` ranks at lifespan startup with
-    `connect_options` (`ready_timeout`, `silence_timeout`, `max_inflight`,
-    `request_timeout`, `max_buffered` (default here `DEFAULT_MAX_BUFFERED`), `recover`
-    (default here True: a failed lockstep group waits for its ranks, `/ready` answers
-    503 meanwhile and `/health` 200), `curve`...: those of `EngineGroup.connect`), and
-    drains and closes the group at shutdown. `mock` also runs a mock group (engines
+    The app connects to `url` and `engines` ranks at lifespan startup (a server's, or
+    `GatewayApp.lifespan` for a host that runs none, such as FastAPI for a mounted
+    app) with `options`, those of `EngineGroup.connect` (`zmqdp.ConnectOptions`:
+    `ready_timeout`, `max_inflight`, `request_timeout`, `curve`...; `max_buffered`
+    defaults here to `DEFAULT_MAX_BUFFERED`, and `recover` to True: a failed lockstep
+    group waits for its ranks, `/ready` answers 503 meanwhile and `/health` 200), and
+    drains and closes the group at shutdown. Mounted under a prefix (ASGI
+    `root_path`), it routes on the path below it. `mock` also runs a mock group (engines
     from the config unless `engines` says otherwise) on `url`, or on a private ipc path
     if `url` is None. `group`: serve an already connected group instead (the caller
     owns it: give no `url`, `engines`, `mock` or connect options).
@@ -162,6 +172,7 @@ def create_app(
 
     `dialect`: the old name of `frontend`, deprecated (the wire's dialect is `wire`).
     """
+    connect_options: dict[str, Any] = dict(options)
     if dialect is not None:
         if frontend is not None:
             raise TypeError("create_app: give frontend=, not also its deprecated name dialect=")
@@ -326,6 +337,92 @@ class GatewayApp:
             raise RuntimeError("the gateway's lifespan has not started")
         await self._drained.wait()
 
+    def lifespan(self, app: object = None) -> AbstractAsyncContextManager[None]:
+        """The app's lifespan as an ``async with`` block, for a host that does not run
+        it: FastAPI and Starlette never run a mounted app's lifespan. The block starts
+        as ``lifespan.startup`` does (the embedded mock, then `connect`, waiting for
+        every rank; a failure raises `RuntimeError` with the reason), serves while
+        it runs, and drains and closes the group on the way out, as a server's
+        ``lifespan.shutdown`` would. `begin_drain`, `stop_now` and `wait_drained` work
+        as under a server.
+
+        `app` is ignored: it lets FastAPI take the method itself,
+        ``FastAPI(lifespan=gateway.lifespan)``. In a host lifespan of its own::
+
+            @asynccontextmanager
+            async def lifespan(app):
+                async with gateway.lifespan():
+                    yield
+
+        On trio or asyncio (`zmqdp.aio.AsyncioEngineGroup` then), as the server's
+        lifespan."""
+        return self._run_lifespan()
+
+    @asynccontextmanager
+    async def _run_lifespan(self) -> AsyncIterator[None]:
+        if self._drained is not None:
+            raise RuntimeError("the gateway's lifespan has already run (or is running)")
+        library = sniffio.current_async_library()
+        replies: list[Mapping[str, Any]] = []
+        answered = backend_for(library).event()
+        shutdown = backend_for(library).event()
+        asked: list[str] = []
+
+        async def receive() -> Mapping[str, Any]:
+            if not asked:
+                asked.append("startup")
+                return {"type": "lifespan.startup"}
+            await shutdown.wait()
+            return {"type": "lifespan.shutdown"}
+
+        async def send(message: dict[str, Any]) -> None:
+            replies.append(message)
+            answered.set()
+
+        async def reply() -> Mapping[str, Any]:
+            nonlocal answered
+            await answered.wait()
+            answered = backend_for(library).event()
+            return replies[-1]
+
+        async def ended(message: Mapping[str, Any], step: str) -> None:
+            if message["type"] == f"lifespan.{step}.failed":
+                raise RuntimeError(f"the gateway's {step} failed: {message.get('message')}")
+
+        if library == "trio":
+            # Errors are raised after the nursery, as themselves (no ExceptionGroup).
+            started: Mapping[str, Any] = {}
+            stopped: Mapping[str, Any] = {}
+            error: BaseException | None = None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._lifespan, receive, send)
+                started = await reply()
+                if started["type"] == "lifespan.startup.complete":
+                    try:
+                        yield
+                    except BaseException as exc:  # re-raised below, once drained
+                        error = exc
+                    with trio.CancelScope(shield=True):  # drained and closed, whatever
+                        shutdown.set()
+                        stopped = await reply()
+            await ended(started, "startup")
+            if error is not None:
+                raise error
+            await ended(stopped, "shutdown")
+            return
+        task = asyncio.create_task(self._lifespan(receive, send))
+        try:
+            await ended(await reply(), "startup")
+            try:
+                yield
+            finally:
+                shutdown.set()
+                await ended(await reply(), "shutdown")
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.wait((task,))
+
     # -- ASGI -------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -343,7 +440,7 @@ class GatewayApp:
             return
         if self._backend is None:  # no lifespan (an embedded group): pick it now
             self._use(backend_for(sniffio.current_async_library()))
-        path = scope["path"]
+        path = _route_path(scope)
         route = self._routes.get(path)
         if route is None and path.startswith("/v1/models/"):
             route = ("models", "GET", self._model)
@@ -402,6 +499,23 @@ class GatewayApp:
         self, scope: Scope, receive: Receive, send: Send, *, chat: bool = False
     ) -> None:
         assert self._backend is not None and self._stopping is not None
+        if self._group is None and self._owns_group and self._drained is None:
+            # mounted in a framework that does not run a sub-app's lifespan (Starlette)
+            await self._error(
+                send,
+                "chat" if chat else "completions",
+                HTTPError(
+                    503,
+                    "service_unavailable",
+                    "not_started",
+                    "the gateway's lifespan never ran, so its engine group is not "
+                    "connected: an app mounted in FastAPI or Starlette needs "
+                    "FastAPI(lifespan=gateway.lifespan) (or `async with "
+                    "gateway.lifespan():` in the host's own lifespan)",
+                    retry_after=self._settings.retry_after,
+                ),
+            )
+            return
         await handle_completion(
             scope,
             receive,
@@ -421,7 +535,7 @@ class GatewayApp:
 
     async def _model(self, scope: Scope, receive: Receive, send: Send) -> None:
         """`GET /v1/models/{id}`: the model object, or 404 as OpenAI answers it."""
-        name = scope["path"][len("/v1/models/") :]
+        name = _route_path(scope)[len("/v1/models/") :]
         exchange = Exchange(send, "models", self.counters)
         if name in self._settings.served:
             await exchange.respond(200, json.dumps(_model_object(name)).encode())
@@ -557,6 +671,24 @@ class GatewayApp:
             await group.drain(self._drain_timeout)
             log.info("the engine group is drained")
         self._drained.set()
+
+
+with_connect_options(
+    create_app, defaults={"max_buffered": DEFAULT_MAX_BUFFERED, "recover": True}
+)  # help(create_app) lists connect's options, with the defaults it gives them
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes match: ``scope["path"]`` less ``scope["root_path"]`` where
+    the server or framework left it there (Starlette's `Mount` and uvicorn's
+    ``--root-path`` keep the full path, as ASGI now says; older ones strip it)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path") or ""
+    if root and path.startswith(root):
+        rest = path[len(root.rstrip("/")) :]
+        if not rest or rest.startswith("/"):
+            return rest or "/"
+    return path
 
 
 def _model_object(name: str) -> dict[str, Any]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Unpack
 
 from .._transport import GroupDialect, Transport, TransportListener
 from ..client import EngineGroup
-from ..values import ConnectOptions
+from ..values import ConnectKeywords, ConnectOptions, with_connect_options
 from .codec import WIRE_VERSIONS
 from .sockets import open_vllm_transport
 from .wire import VllmRequest, VllmWire
@@ -65,6 +65,7 @@ def dialect(
     return GroupDialect(wire, open_transport)
 
 
+@with_connect_options
 @asynccontextmanager
 async def connect(
     url: str,
@@ -75,7 +76,7 @@ async def connect(
     parallel_config_hash: str | None = None,
     vllm_version: str | None = None,
     options: ConnectOptions | None = None,
-    **kwargs: Any,
+    **kwargs: Unpack[ConnectKeywords],
 ) -> AsyncIterator[EngineGroup[VllmRequest]]:
     """Bind the handshake ROUTER at `url` (``tcp://HOST:PORT``: the
     ``--data-parallel-address``/``--data-parallel-rpc-port`` the headless engines were
