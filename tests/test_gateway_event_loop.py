@@ -166,9 +166,13 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     # refused for its count, before any element was looked at
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
-    assert error["param"] == ("messages" if chat else "prompt")
-    what = "200000 messages" if chat else "2000000 token ids"
-    assert f"has {what}: more than this model's maximum context length" in error["message"]
+    assert error["param"] == ("messages" if chat else "input_tokens")
+    said = (
+        "has 200000 messages: more than this model's maximum context length"
+        if chat
+        else "your prompt contains 2000000 input tokens, which exceeds this limit"
+    )
+    assert said in error["message"]
 
 
 @pytest.mark.parametrize("server", [s for s in SERVERS if s.startswith("uvicorn")])
