@@ -38,6 +38,9 @@ pytest.importorskip("tokenizers", reason="the vllm extra (tokenizers)")
 
 MODEL = Path(__file__).parent / "data" / "tiny-model"
 CONTEXT = 131072
+LONG_ENGINES = {"max_model_len": CONTEXT}
+"""Fake engines of that context too: the gateway takes the least of the model's and the
+engines' lengths, as vLLM's frontend does."""
 
 
 def long_context_model(tmp: Path) -> Path:
@@ -91,7 +94,7 @@ async def test_the_loop_answers_while_a_long_prompt_is_tokenized(tmp_path: Path)
     size = (CONTEXT - 1) * width
     prompt = (words * (size // len(words) + 1))[:size]
     async with (
-        vllm_group(1) as (group, _),
+        vllm_group(1, fake_kw=LONG_ENGINES) as (group, _),
         serving(create_app(group=group, frontend=frontend)) as client,
         trio.open_nursery() as nursery,
     ):
@@ -148,7 +151,7 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     data = json.dumps(body, separators=(",", ":")).encode()
     assert 3 << 20 < len(data) < 4 << 20
     async with (
-        vllm_group(1) as (group, _),
+        vllm_group(1, fake_kw=LONG_ENGINES) as (group, _),
         serving(create_app(group=group, frontend=frontend)) as client,
         trio.open_nursery() as nursery,
     ):
