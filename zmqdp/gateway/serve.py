@@ -892,8 +892,12 @@ class StartupWatch(logging.Filter):
         for logger in self._loggers:
             logger.addFilter(self)
         zmqdp_log = logging.getLogger("zmqdp")
-        if zmqdp_log.getEffectiveLevel() > logging.INFO:  # to see "rank N: up"
+        if zmqdp_log.getEffectiveLevel() > logging.INFO:
+            # to see "rank N: up" under a higher --log-level; the root's handlers then
+            # hold back what that level would not have shown (zmqdp's loggers below it)
             zmqdp_log.setLevel(logging.INFO)
+            for handler in logging.getLogger().handlers:
+                handler.addFilter(self._quiet)
         if self.args.mock or self.app.group is not None:
             return self
         threading.Thread(target=self._report, name="zmqdp-serve-progress", daemon=True).start()
@@ -903,7 +907,14 @@ class StartupWatch(logging.Filter):
         self.done.set()
         for logger in self._loggers:
             logger.removeFilter(self)
+        for handler in logging.getLogger().handlers:
+            handler.removeFilter(self._quiet)
         logging.getLogger("zmqdp").setLevel(self._saved)
+
+    def _quiet(self, record: logging.LogRecord) -> bool:
+        """A root handler's filter: zmqdp's records below the chosen level are dropped."""
+        zmqdp = record.name == "zmqdp" or record.name.startswith("zmqdp.")
+        return not zmqdp or record.levelno >= self.level
 
     def _report(self) -> None:
         interval = max(0.05, self.args.progress_interval)
