@@ -478,7 +478,7 @@ class _Response:
         self.prepared = prepared
         self.pinned = rank
         self.rank: int | None = None
-        self.model = request.model or settings.model
+        self.model = settings.model  # the first served name, whichever was asked (vLLM)
         self.tokens = 0
         """Tokens of the answer so far."""
         self.first = 0.0
