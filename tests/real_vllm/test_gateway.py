@@ -37,9 +37,6 @@ MAX_MODEL_LEN = 1024
 KEY = "sk-real-engines"
 NAME = "tiny"
 ALIAS = "tiny-alias"
-TEMPERATURE = 0.5
-"""The model copies' generation_config.json temperature: the default of a request that
-gives none (`--generation-config auto`, vLLM's default)."""
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 
 
@@ -128,9 +125,6 @@ def gateway(
     moe = kind == "moe"
     logs = engine_logs / f"gateway-{kind}"
     model = aiperf_smoke().model_dir(tmp_path_factory.mktemp(kind), models / kind)
-    generation = model / "generation_config.json"
-    config = json.loads(generation.read_text()) if generation.is_file() else {}
-    generation.write_text(json.dumps({**config, "temperature": TEMPERATURE}))
     engines = EngineProcs(
         vllm_venv, model, 2, logs, moe=moe, extra=("--max-model-len", str(MAX_MODEL_LEN))
     )
@@ -381,17 +375,3 @@ def test_the_engines_length_is_checked_and_clamped_as_vllm_does(gateway: Gateway
     )
     assert r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 24
-
-
-def test_the_models_generation_config_is_the_default(gateway: Gateway) -> None:
-    """generation_config.json's temperature is the default of a request that gives none
-    (vLLM's `--generation-config auto`): with one seed, no temperature samples as
-    TEMPERATURE does, not as 1.0."""
-    client = gateway.client()
-    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 16, "seed": 11}
-    extra = {"ignore_eos": True}
-    default = client.completions.create(**body, extra_body=extra).choices[0].text  # type: ignore[call-overload]
-    same = client.completions.create(**body, temperature=TEMPERATURE, extra_body=extra)  # type: ignore[call-overload]
-    other = client.completions.create(**body, temperature=1.0, extra_body=extra)  # type: ignore[call-overload]
-    assert default == same.choices[0].text
-    assert default != other.choices[0].text  # (the check above is not vacuous)
