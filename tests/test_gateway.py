@@ -127,6 +127,7 @@ async def test_a_completion_is_one_openai_text_completion() -> None:
         "index": 0,
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
     # "hi" is two byte-level tokens in the mock frontend
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
@@ -199,6 +200,7 @@ async def test_outputs_buffered_together_go_out_in_one_write(tmp_path: Path) -> 
         "index": 0,
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
 
 
@@ -229,7 +231,13 @@ def test_a_pinned_completion_is_one_openai_text_completion(tmp_path: Path, serve
         assert answer["id"].startswith("cmpl-")
         assert response.headers["x-data-parallel-rank"] == "1"
         assert answer["choices"] == [
-            {"text": " t0 t1 t2 t3", "index": 0, "logprobs": None, "finish_reason": "length"}
+            {
+                "text": " t0 t1 t2 t3",
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
         ]
         assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
         view = await s.engines.wait_for(1, lambda v: bool(v.adds()))  # published after it
@@ -697,6 +705,7 @@ def test_a_drain_turns_ready_off_first_and_lets_a_live_stream_finish(
             "index": 0,
             "logprobs": None,
             "finish_reason": "stop",
+            "stop_reason": None,
         }
         assert rest[-1] == "[DONE]"
         await app.wait_drained()

@@ -38,6 +38,9 @@ pytest.importorskip("tokenizers", reason="the vllm extra (tokenizers)")
 
 MODEL = Path(__file__).parent / "data" / "tiny-model"
 CONTEXT = 131072
+LONG_ENGINES = {"max_model_len": CONTEXT}
+"""Fake engines of that context too: the gateway takes the least of the model's and the
+engines' lengths, as vLLM's frontend does."""
 
 
 def long_context_model(tmp: Path) -> Path:
@@ -91,7 +94,7 @@ async def test_the_loop_answers_while_a_long_prompt_is_tokenized(tmp_path: Path)
     size = (CONTEXT - 1) * width
     prompt = (words * (size // len(words) + 1))[:size]
     async with (
-        vllm_group(1) as (group, _),
+        vllm_group(1, fake_kw=LONG_ENGINES) as (group, _),
         serving(create_app(group=group, frontend=frontend)) as client,
         trio.open_nursery() as nursery,
     ):
@@ -148,7 +151,7 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     data = json.dumps(body, separators=(",", ":")).encode()
     assert 3 << 20 < len(data) < 4 << 20
     async with (
-        vllm_group(1) as (group, _),
+        vllm_group(1, fake_kw=LONG_ENGINES) as (group, _),
         serving(create_app(group=group, frontend=frontend)) as client,
         trio.open_nursery() as nursery,
     ):
@@ -166,9 +169,13 @@ async def test_the_loop_answers_while_a_large_body_is_parsed(
     # refused for its count, before any element was looked at
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
-    assert error["param"] == ("messages" if chat else "prompt")
-    what = "200000 messages" if chat else "2000000 token ids"
-    assert f"has {what}: more than this model's maximum context length" in error["message"]
+    assert error["param"] == ("messages" if chat else "input_tokens")
+    said = (
+        "has 200000 messages: more than this model's maximum context length"
+        if chat
+        else "your prompt contains 2000000 input tokens, which exceeds this limit"
+    )
+    assert said in error["message"]
 
 
 @pytest.mark.parametrize("server", [s for s in SERVERS if s.startswith("uvicorn")])

@@ -133,7 +133,8 @@ def _finish_of(events: list[str]) -> str | None:
     ("body", "param"),
     [
         ({"prompt": [10, 870]}, "out of vocabulary"),
-        ({"prompt": "x", "max_tokens": 512}, "maximum context length is 512"),
+        ({"prompt": "x", "max_tokens": 513}, "max_tokens=513 cannot be greater than"),
+        ({"prompt": list(range(1, 514))}, "maximum context length is 512 tokens"),
         ({"prompt": "x", "temperature": 3}, "'temperature' must be a number from 0 to 2"),
         ({"prompt": "x", "stop": [""]}, "'stop' must be"),
         ({"prompt": "x", "stop_token_ids": [9999]}, "'stop_token_ids'"),
@@ -559,3 +560,175 @@ async def test_a_client_leaving_mid_detokenization_aborts_its_request_once() -> 
             assert response.json()["choices"][0]["text"] == "yz{"
     assert len(engine.got("abort")) == 1
     assert seen.startswith("yz{|}~")
+
+
+# -- issue 35: vLLM's behaviour behind vLLM's flags ---------------------------------------
+
+
+def _model_copy(tmp_path: Path, **files: str) -> Path:
+    """tests/data/tiny-model copied, with `files` written over it (name: text)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in MODEL.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    for name, text in files.items():
+        (model / name.replace("_json", ".json")).write_text(text)
+    return model
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", ["string", "first-to-end", "token id", "length"])
+async def test_stop_reason_is_vllms(chat: bool, stream: bool, case: str) -> None:
+    """vLLM's `stop_reason`: the stop string matched (of two, the one whose match ends
+    first, not the one that starts first), the stop token id the engine stopped on, or
+    null; in completions and chat, streamed (the last chunk) or not. The fakes count up
+    from the prompt's last token: "x" is 91, the chat template's prompt ends in 202."""
+    last = 202 if chat else 91
+    fields: dict[str, Any] = {
+        "string": {"stop": ["nope", text_of([last + 3, last + 4])]},
+        "first-to-end": {
+            "stop": [text_of(list(range(last + 2, last + 6))), text_of([last + 3, last + 4])]
+        },
+        "token id": {"stop_token_ids": [last + 4]},
+        "length": {},
+    }[case]
+    expected = {
+        "string": text_of([last + 3, last + 4]),
+        "first-to-end": text_of([last + 3, last + 4]),
+        "token id": last + 4,
+        "length": None,
+    }[case]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"max_tokens": 8, "stream": stream, **fields}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})
+    async with (
+        vllm_group(1) as (group, _),
+        serving(create_app(group=group, frontend=frontend())) as client,
+    ):
+        if stream:
+            async with client.stream("POST", path, json=body) as response:
+                chunks = [json.loads(e) for e in (await all_events(response))[:-1]]
+            last_choice = [c for c in chunks if c["choices"]][-1]["choices"][0]
+            if not chat:  # vLLM's completion chunks all carry it, null until the end
+                assert all("stop_reason" in c["choices"][0] for c in chunks if c["choices"])
+        else:
+            response = await client.post(path, json=body)
+            assert response.status_code == 200, response.text
+            last_choice = response.json()["choices"][0]
+    assert last_choice["stop_reason"] == expected
+    assert last_choice["finish_reason"] == ("length" if expected is None else "stop")
+
+
+async def test_the_engines_max_model_len_is_the_limit_and_max_tokens_is_clamped() -> None:
+    """The engines' ready responses say 64 under a model config of 512: vLLM's frontend
+    takes the least, so 64 is the limit (before issue 35 the gateway let max_tokens run
+    past the engines' length: a 200 cut short where vLLM answers 400)."""
+    async with (
+        vllm_group(1, fake_kw={"max_model_len": 64}) as (group, fake),
+        serving(create_app(group=group, frontend=frontend())) as client,
+    ):
+        over = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 65})
+        prompt = list(range(10, 20))  # 10 tokens
+        clamped = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 60})
+        default = await client.post("/v1/completions", json={"prompt": prompt})
+        long = await client.post("/v1/completions", json={"prompt": list(range(1, 66))})
+    assert over.status_code == 400, over.text
+    assert over.json()["error"] == {
+        "message": "max_tokens=65 cannot be greater than max_model_len=64. Please request "
+        "fewer output tokens.",
+        "type": "BadRequestError",
+        "param": "max_tokens",
+        "code": over.json()["error"]["code"],
+    }
+    assert long.status_code == 400 and long.json()["error"]["param"] == "input_tokens"
+    assert "maximum context length is 64 tokens" in long.json()["error"]["message"]
+    # vLLM clamps a max_tokens that fits alone but not with the prompt: 64 - 10
+    assert clamped.status_code == 200, clamped.text
+    assert clamped.json()["usage"]["completion_tokens"] == 54
+    assert default.json()["usage"]["completion_tokens"] == 16  # a completion's default
+    maxes = [a[3].get("max_tokens", 16) for a in fake.engines[0].got("add")]  # (16: omitted)
+    assert maxes == [54, 16]
+
+
+def test_max_model_len_given_and_learned_takes_the_least() -> None:
+    d = VllmFrontend(MODEL, max_model_len=100)
+    assert d.max_prompt_tokens == 100
+    d.learn_engines([{"max_model_len": 4096}, {}])
+    assert d.max_prompt_tokens == 100  # never above the flag's
+    d.learn_engines([{"max_model_len": 80}, {"max_model_len": 90}])
+    assert d.max_prompt_tokens == 80
+
+
+@pytest.mark.parametrize("source", ["auto", "folder", "vllm"])
+async def test_generation_config_defaults_apply_as_vllm_applies_them(
+    tmp_path: Path, source: str
+) -> None:
+    """The model's generation_config.json: temperature, top_k and max_new_tokens (a
+    chat's default max_tokens) are defaults under a request's own fields; top_p at
+    Hugging Face's default (1.0) is no default; "vllm" takes none."""
+    config = json.dumps(
+        {"eos_token_id": 0, "temperature": 0.3, "top_k": 7, "top_p": 1.0, "max_new_tokens": 9}
+    )
+    if source == "folder":
+        model = _model_copy(tmp_path)
+        folder = tmp_path / "gen"
+        folder.mkdir()
+        (folder / "generation_config.json").write_text(config)
+        d = VllmFrontend(model, generation_config=str(folder))
+    else:
+        d = VllmFrontend(
+            _model_copy(tmp_path, generation_config_json=config), generation_config=source
+        )
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    async with (
+        vllm_group(1) as (group, fake),
+        serving(create_app(group=group, frontend=d)) as client,
+    ):
+        plain = await client.post("/v1/chat/completions", json=chat)
+        own = await client.post(
+            "/v1/chat/completions", json={**chat, "temperature": 0.9, "max_tokens": 3}
+        )
+    assert plain.status_code == own.status_code == 200, plain.text
+    first, second = (a[3] for a in fake.engines[0].got("add"))
+    if source == "vllm":
+        # (fields at vLLM's neutral values are left out of the encoded params)
+        assert first.get("top_k", 0) in (0, -1) and first.get("temperature", 1.0) == 1.0
+        assert first["max_tokens"] == 512 - len(fake.engines[0].got("add")[0][1])
+    else:
+        assert (first["temperature"], first["top_k"], first["max_tokens"]) == (0.3, 7, 9)
+        assert first.get("top_p", 1.0) == 1.0
+        assert (second["temperature"], second["top_k"], second["max_tokens"]) == (0.9, 7, 3)
+
+
+def test_a_generation_config_folder_without_the_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no generation_config\.json"):
+        VllmFrontend(MODEL, generation_config=str(tmp_path))
+
+
+def test_chat_template_and_tokenizer_as_vllms_flags(tmp_path: Path) -> None:
+    """--chat-template: a file or the text itself; --tokenizer: another directory's
+    tokenizer.json (the model directory then needs none)."""
+    from zmqdp.gateway.vllm_frontend import load_chat_template
+
+    words = tmp_path / "words"
+    words.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (words / name).write_bytes((MODEL / name).read_bytes())
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((MODEL / "config.json").read_bytes())
+    inline = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    file = tmp_path / "t.jinja"
+    file.write_text("[{{ messages[0]['content'] }}]")
+    assert load_chat_template(inline) == inline
+    assert load_chat_template(str(file)) == "[{{ messages[0]['content'] }}]"
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template("missing.jinja")
+    d = VllmFrontend(bare, tokenizer=words, chat_template=inline)
+    assert d.chat_prompt(({"role": "user", "content": "hi"},)) == "<hi>"
+    assert d.encode("x", special=False) == [91]
+    with pytest.raises(ValueError, match="--chat-template"):
+        VllmFrontend(MODEL, chat_template="{% for %}")
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
+        VllmFrontend(bare)

@@ -119,6 +119,10 @@ def parse_group_url(url: str, advertise_host: str | None = None) -> GroupAddress
     raise ValueError(f"group URL {url!r}: only ipc:// and tcp:// are supported")
 
 
+_SHARED_DIRECTORIES = frozenset({"/", "/tmp", "/var/tmp", "/dev/shm", "/run", "/var/run"})
+"""Directories other programs share: a fix never narrows their mode."""
+
+
 def prepare_ipc_directory(address: GroupAddress) -> None:
     """Create or check the socket directory and remove stale socket files.
     Raises PermissionError with the fix if the directory is unsafe."""
@@ -135,10 +139,19 @@ def prepare_ipc_directory(address: GroupAddress) -> None:
             f"(uid {os.getuid()}): use a directory of your own, e.g. under $XDG_RUNTIME_DIR"
         )
     if st.st_mode & 0o033:
+        # Never `chmod` advice for a shared directory (/tmp, /dev/shm: sticky, or a
+        # system one): narrowing it breaks every other program on the machine.
+        shared = st.st_mode & stat.S_ISVTX or directory in _SHARED_DIRECTORIES
+        fix = (
+            f"put the socket in a directory of its own, e.g. ipc://{directory.rstrip('/')}"
+            "/zmqdp-NAME/group (zmqdp creates it, private to this user)"
+            if shared
+            else f"make it private with: chmod go-wx {directory}, or use a directory of your own"
+        )
         raise PermissionError(
             f"ipc directory {directory} can be entered or written by group or others "
             f"(mode {stat.S_IMODE(st.st_mode):o}): other users could reach or replace the "
-            f"sockets; fix it with: chmod go-wx {directory}"
+            f"sockets; {fix}"
         )
     for sock_path in socket_paths(address):
         try:

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
 KEY = "sk-real-engines"
 NAME = "tiny"
+ALIAS = "tiny-alias"
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 
 
@@ -138,7 +139,7 @@ def gateway(
         str(model),
         "--url",
         engines.url,
-        "--engines",
+        "--data-parallel-size",  # vLLM's flags where it has them (issue 35)
         "2",
         "--insecure",
         "--ready-timeout",
@@ -149,14 +150,16 @@ def gateway(
         server,
         "--served-model-name",
         NAME,
-        "--api-key",
-        KEY,
+        ALIAS,
+        # the key: the flag for one group, vLLM's environment variable for the other
+        *([] if moe else ["--api-key", KEY]),
         # an MoE group's 4 busy-waiting processes on this 2-core machine starved the
         # gateway of CPU for 3-4 s at a time (measured): 3 s heartbeats lost both ranks
         *(["--moe", "--heartbeat-timeout", "10"] if moe else []),
     ]
+    env = {**os.environ, "VLLM_API_KEY": KEY} if moe else None
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     gw = Gateway(f"http://127.0.0.1:{port}", model, engines, proc, log, moe)
     try:
         engines.start_all()
@@ -173,7 +176,10 @@ def gateway(
 
 def test_models_and_the_api_key(gateway: Gateway) -> None:
     models = gateway.client().models.list()
-    assert [m.id for m in models.data] == [NAME]
+    assert [m.id for m in models.data] == [NAME, ALIAS]
+    # vLLM answers with the first served name, whichever the request named
+    by_alias = gateway.client().completions.create(model=ALIAS, prompt="hi", max_tokens=1)
+    assert by_alias.model == NAME
     bad = openai.OpenAI(base_url=gateway.base + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -257,6 +263,14 @@ def test_a_stop_string_ends_the_text_before_it(gateway: Gateway) -> None:
     r = client.completions.create(**body, stop=[stop], extra_body={"ignore_eos": True})  # type: ignore[call-overload]
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == full[: full.index(stop)]
+    # vLLM's stop_reason: the string matched, streamed or not; null for a length finish
+    assert r.choices[0].model_dump()["stop_reason"] == stop
+    chunks = list(
+        client.completions.create(**body, stop=[stop], stream=True, extra_body={"ignore_eos": True})
+    )  # type: ignore[call-overload]
+    assert chunks[-1].choices[0].model_dump()["stop_reason"] == stop
+    long = client.completions.create(**body, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    assert long.choices[0].model_dump()["stop_reason"] is None
 
 
 def test_bad_prompts_are_400s_and_the_engines_live_on(gateway: Gateway) -> None:
@@ -266,8 +280,9 @@ def test_bad_prompts_are_400s_and_the_engines_live_on(gateway: Gateway) -> None:
     assert "out of vocabulary" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt=[5] * (MAX_MODEL_LEN + 10), max_tokens=4)
-    # (the model directory says 4096; the engines' READY says MAX_MODEL_LEN, which wins)
-    assert f"max_model_len is {MAX_MODEL_LEN}" in str(e.value), e.value
+    # (the model directory says 4096; the engines' READY says MAX_MODEL_LEN, which wins,
+    # as in vLLM's frontend; vLLM's message)
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in str(e.value), e.value
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="hi", max_tokens=4, logprobs=2)
     assert e.value.body is not None and "logprobs" in json.dumps(e.value.body)
@@ -340,3 +355,23 @@ def test_a_default_aiperf_run_has_no_errors(gateway: Gateway, tmp_path: Path) ->
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + gateway.tail()
     records, errors = smoke.errors_of(tmp_path / "artifacts")
     assert records == 10 and errors == 0, (records, errors, gateway.tail())
+
+
+def test_the_engines_length_is_checked_and_clamped_as_vllm_does(gateway: Gateway) -> None:
+    """The gateway is given no --max-model-len: the engines' ready responses say
+    MAX_MODEL_LEN under a config of 4096. A max_tokens over it is vLLM's 400; one that
+    fits alone but not with the prompt is lowered to what is left (before issue 35: a
+    200 cut short by the engine)."""
+    client = gateway.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=MAX_MODEL_LEN + 1)
+    assert (
+        f"max_tokens={MAX_MODEL_LEN + 1} cannot be greater than max_model_len={MAX_MODEL_LEN}"
+    ) in str(e.value)
+    assert "BadRequestError" in json.dumps(e.value.body)  # vLLM's error type
+    prompt = [5] * (MAX_MODEL_LEN - 24)
+    r = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=100, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 24

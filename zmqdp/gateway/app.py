@@ -149,9 +149,9 @@ def create_app(
     bodies; `VllmFrontend(MODEL_DIR)` for vLLM engine cores, with `wire=` a
     `zmqdp.vllm.dialect(moe=...)`: the engine protocol of the group the app connects,
     native by default); `model`: the name the model is served under, or several (vLLM's
-    `--served-model-name`): the first names it in responses to requests without one, a
-    request naming another gets 404 ``model_not_found``, as OpenAI answers it (a
-    request's own name is echoed). `api_key`: the `/v1/` routes need
+    `--served-model-name`): the first names it in every response, as vLLM's; a
+    request naming another gets 404 ``model_not_found``, as OpenAI answers it (the
+    first name is answered whichever was asked). `api_key`: the `/v1/` routes need
     ``Authorization: Bearer <api_key>`` (401 ``invalid_api_key`` otherwise; the probes
     and `/metrics` stay open, as vLLM's). `vllm_metric_names`: `/metrics` also has the
     ``vllm:`` series vLLM's Grafana dashboards read (labels ``model_name``, ``engine``).

@@ -176,6 +176,8 @@ class CompletionSettings:
     """The most tokens a non-streaming answer may collect (None: no limit)."""
     max_collected_chars: int | None = None
     """The most characters of text a non-streaming answer may collect (None: no limit)."""
+    engines_seen: list[object] = dataclasses.field(default_factory=lambda: [None])
+    """[the group whose ranks' info the frontend was told] (`_learn_engines`)."""
 
 
 def _rank(scope: Scope) -> int | None:
@@ -290,6 +292,17 @@ def _parse(
     return parse_chat(body, fields, max_prompt_tokens=limit)
 
 
+def _learn_engines(settings: CompletionSettings, group: GroupLike) -> None:
+    """Tell a frontend that wants it (`learn_engines`: vLLM's, for the engines'
+    ``max_model_len``) the ranks' handshake info, once per group: the first request
+    after the group is up (every rank is, then)."""
+    learn = getattr(settings.frontend, "learn_engines", None)
+    engines = getattr(group, "engines", None)
+    if learn is not None and engines is not None:
+        learn([engine.info for engine in engines if engine.info])
+    settings.engines_seen[0] = group
+
+
 def _prepare(
     frontend: Frontend,
     request: CompletionRequest,
@@ -313,6 +326,11 @@ def _prepare(
     try:
         return request, frontend.prepare(request)
     except ValueError as exc:
+        param = getattr(exc, "param", None)
+        if param is not None:  # a `VllmValidationError`: vLLM's own answer
+            raise HTTPError(
+                400, "BadRequestError", "invalid_request", str(exc)[:MESSAGE_QUOTE], param=param
+            ) from None
         raise HTTPError(
             400, "invalid_request_error", "invalid_request", str(exc)[:MESSAGE_QUOTE]
         ) from None
@@ -374,6 +392,8 @@ async def handle_completion(
                 )
             rank = _rank(scope)
             _check_collected(request, settings)
+            if group is not None and settings.engines_seen[0] is not group:
+                _learn_engines(settings, group)
             work = functools.partial(_prepare, settings.frontend, request, messages, request_id)
             if getattr(settings.frontend, "threaded", False) and len(body) > INLINE_PREPARE:
                 request, prepared = await backend.in_thread(work, heavy=heavy)
@@ -458,7 +478,7 @@ class _Response:
         self.prepared = prepared
         self.pinned = rank
         self.rank: int | None = None
-        self.model = request.model or settings.model
+        self.model = settings.model  # the first served name, whichever was asked (vLLM)
         self.tokens = 0
         """Tokens of the answer so far."""
         self.first = 0.0
@@ -539,13 +559,14 @@ class _Response:
         max_tokens = self.settings.max_collected_tokens
         max_chars = self.settings.max_collected_chars
         finish: str | None = None
+        stop_reason: int | str | None = None
         while finish is None:
             # (a frontend's finish before the engine's, a stop string, ends it too:
             # leaving the stream's block aborts the request on its rank)
             piece = decode(await stream.receive_batch())
             chars += text.write(piece.text)
             tokens += piece.tokens
-            finish = piece.finish_reason
+            finish, stop_reason = piece.finish_reason, piece.stop_reason
             if not self.first and tokens:
                 self.first = time.perf_counter()
             if max_tokens is not None and tokens > max_tokens:
@@ -565,6 +586,7 @@ class _Response:
                 finish,
                 self.prepared.prompt_tokens,
                 tokens,
+                stop_reason,
             ),
         )
 
@@ -602,7 +624,7 @@ class _Response:
             if not self.first and tokens:
                 self.first = time.perf_counter()
             self.tokens, self.finish = tokens, (finish := piece.finish_reason)
-            data = encode(piece.text, finish)
+            data = encode(piece.text, finish, piece.stop_reason)
             if finish is not None:
                 if self.request.include_usage:
                     data += chunk(

@@ -91,6 +91,9 @@ class Piece:
     frontend leaves it None there, the gateway says `"stop"`. Set on an output that is
     not the engine's last (a stop string the frontend found), it ends the response
     there: later outputs are dropped and the request is aborted on its rank."""
+    stop_reason: int | str | None = None
+    """vLLM's `stop_reason` of the terminal output: the stop string matched, or the stop
+    token id the engine stopped on (None: EOS, a length limit, or no such notion)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +265,7 @@ def decode_each(decode: Callable[[Output], Piece], outputs: Sequence[Output]) ->
         parts.append(piece.text)
         tokens += piece.tokens
         if output.finish is not None or piece.finish_reason is not None:
-            return Piece("".join(parts), tokens, piece.finish_reason or "stop")
+            return Piece("".join(parts), tokens, piece.finish_reason or "stop", piece.stop_reason)
     return Piece("".join(parts), tokens, None)
 
 

@@ -237,11 +237,15 @@ def _request(
         and len(raw_prompt) > max_prompt_tokens
         and raw_prompt
         and _is_int(raw_prompt[0])
-    ):  # before its elements are looked at
-        raise _bad(
-            f"'prompt' has {len(raw_prompt)} token ids: more than this model's maximum "
-            f"context length ({max_prompt_tokens} tokens) can hold",
-            "prompt",
+    ):  # before its elements are looked at; vLLM's answer (a frontend with a length is vLLM's)
+        raise HTTPError(
+            400,
+            "BadRequestError",
+            "invalid_request",
+            f"This model's maximum context length is {max_prompt_tokens} tokens. However, "
+            f"your prompt contains {len(raw_prompt)} input tokens, which exceeds this limit "
+            "even without any output tokens. Please reduce the length of the input prompt.",
+            param="input_tokens",
         )
     if isinstance(raw_prompt, str):
         prompt = raw_prompt
@@ -319,9 +323,17 @@ def completion(
     finish_reason: str,
     prompt_tokens: int,
     completion_tokens: int,
+    stop_reason: int | str | None = None,
 ) -> bytes:
-    """The `text_completion` object of a non-streaming request."""
-    choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    """The `text_completion` object of a non-streaming request (`stop_reason`: vLLM's,
+    the stop string or token id that ended it, frontend.Piece)."""
+    choice = {
+        "text": text,
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     return _answer(
         "text_completion", request_id, created, model, choice, prompt_tokens, completion_tokens
     )
@@ -362,6 +374,7 @@ def chunk(
     usage: tuple[int, int] | None = None,
     *,
     kind: str = "text_completion",
+    stop_reason: int | str | None = None,
 ) -> bytes:
     """One streaming chunk: a choice with `text` (None: no choice, the usage chunk of
     `stream_options.include_usage`), and `usage` (prompt, completion tokens) if given.
@@ -373,7 +386,15 @@ def chunk(
         "model": model,
         "choices": []
         if text is None
-        else [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+        else [
+            {
+                "text": text,
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        ],
     }
     if usage is not None:
         body["usage"] = _usage(*usage)
@@ -384,6 +405,19 @@ def _finish(finish_reason: str | None) -> bytes:
     """A chunk's finish reason and the end of its event."""
     reason = b"null" if finish_reason is None else _ENCODER.encode(finish_reason).encode()
     return reason + b"}]}\n\n"
+
+
+_NO_STOP_REASON = b',"stop_reason":null}]}\n\n'
+
+
+def _finish_stop(finish_reason: str | None, stop_reason: int | str | None) -> bytes:
+    """A chunk's finish reason, vLLM's `stop_reason`, and the end of its event."""
+    if finish_reason is None:
+        return b"null" + _NO_STOP_REASON
+    reason = _ENCODER.encode(finish_reason).encode()
+    if stop_reason is None:
+        return reason + _NO_STOP_REASON
+    return reason + b',"stop_reason":' + _ENCODER.encode(stop_reason).encode() + b"}]}\n\n"
 
 
 def _chunk_prefix(kind: str, request_id: str, created: int, model: str, choice: bytes) -> bytes:
@@ -404,13 +438,16 @@ class ChunkEncoder:
     def __init__(self, request_id: str, created: int, model: str) -> None:
         self._prefix = _chunk_prefix("text_completion", request_id, created, model, b'{"text":')
 
-    def text(self, text: str, finish_reason: str | None) -> bytes:
+    def text(
+        self, text: str, finish_reason: str | None, stop_reason: int | str | None = None
+    ) -> bytes:
+        # (every chunk has a `stop_reason`, null until the last: vLLM's completion chunks)
         return b"".join(
             (
                 self._prefix,
                 _ENCODER.encode(text).encode(),
                 b',"index":0,"logprobs":null,"finish_reason":',
-                _finish(finish_reason),
+                _finish_stop(finish_reason, stop_reason),
             )
         )
 
@@ -427,17 +464,22 @@ class ChatChunkEncoder:
         )
         self._first = True
 
-    def text(self, text: str, finish_reason: str | None) -> bytes:
+    def text(
+        self, text: str, finish_reason: str | None, stop_reason: int | str | None = None
+    ) -> bytes:
         delta: dict[str, str] = {"content": text} if text or finish_reason is None else {}
         if self._first:
             self._first = False
             delta = {"role": "assistant", "content": text}
+        # (the last chunk has a `stop_reason`, the others none: vLLM's chat chunks)
         return b"".join(
             (
                 self._prefix,
                 _ENCODER.encode(delta).encode(),
                 b',"logprobs":null,"finish_reason":',
-                _finish(finish_reason),
+                _finish(None)
+                if finish_reason is None
+                else _finish_stop(finish_reason, stop_reason),
             )
         )
 
@@ -450,10 +492,17 @@ def chat_completion(
     finish_reason: str,
     prompt_tokens: int,
     completion_tokens: int,
+    stop_reason: int | str | None = None,
 ) -> bytes:
     """The `chat.completion` object of a non-streaming chat request."""
     message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
     return _answer(
         "chat.completion", request_id, created, model, choice, prompt_tokens, completion_tokens
     )

@@ -36,9 +36,12 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from types import FrameType
@@ -99,8 +102,42 @@ def _natural_int(text: str) -> int:
     return value
 
 
+def _model_len(text: str) -> int:
+    """An argparse type: vLLM's `--max-model-len` (`human_readable_int`: 1k is 1000,
+    1K is 1024), >= 1."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"must be an int such as 4096, 4k or 4K, not {text!r}")
+    number, suffix = match.groups()
+    if suffix.islower():
+        value = int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
+    elif suffix:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"no decimals with {suffix}: {text!r}")
+        value = int(number) << (10 * ("KMGT".index(suffix) + 1))
+    elif "." in number:
+        raise argparse.ArgumentTypeError(f"must be an int, not {text!r}")
+    else:
+        value = int(number)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {text!r}")
+    return value
+
+
+VLLM_ONLY = ("max_model_len", "tokenizer", "chat_template")
+"""`serve` options that need `--vllm` (the native wire has no tokenizer or model)."""
+DEFAULT_READY_TIMEOUT = 600.0
+"""`--ready-timeout`: vLLM's own wait for its engines (VLLM_ENGINE_READY_TIMEOUT_S), and
+the vLLM wire's default: a real model loads for minutes."""
+PROGRESS_INTERVAL = 30.0
+"""Seconds between `serve`'s reports while it waits for ranks (the first comes after
+`PROGRESS_FIRST`: a group that is up by then says nothing)."""
+PROGRESS_FIRST = 5.0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `serve` subcommand's options."""
+    """The `serve` subcommand's options (vLLM's names where `vllm serve` has the same
+    option: docs/guides/vllm.md has the table)."""
     group = parser.add_argument_group("engine group")
     group.add_argument("--mock", action="store_true", help="run an embedded mock group")
     group.add_argument(
@@ -112,7 +149,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--moe", action="store_true", help="--vllm: an MoE (lockstep) group")
     group.add_argument("--url", help="the group URL to bind (default with --mock: private ipc)")
-    group.add_argument("--engines", type=int, help="ranks (default with --mock: 2)")
+    group.add_argument(
+        "--engines",
+        "--data-parallel-size",
+        "-dp",
+        dest="engines",
+        type=int,
+        help="ranks (default with --mock: 2); --data-parallel-size and -dp are vLLM's names",
+    )
+    group.add_argument(
+        "--advertise-host",
+        default=None,
+        metavar="HOST",
+        help="with a wildcard --url (tcp://0.0.0.0:PORT): the address the engines are "
+        "told to connect to",
+    )
     group.add_argument(
         "--max-inflight",
         default=None,
@@ -132,7 +183,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "finishes; timing alone takes a rank at most 2 x max_num_seqs past its fair "
         "share); least-loaded: the rank holding the fewest requests",
     )
-    group.add_argument("--ready-timeout", type=float, default=60.0, help="wait for ranks, s")
+    group.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=DEFAULT_READY_TIMEOUT,
+        help="wait this long for every rank to come up, s (default 600, as vLLM: a model "
+        "loads for minutes); progress is printed meanwhile",
+    )
+    group.add_argument(
+        "--progress-interval", type=float, default=PROGRESS_INTERVAL, help=argparse.SUPPRESS
+    )
+    model = parser.add_argument_group("model (with --vllm; vLLM's options of the same names)")
+    model.add_argument(
+        "--max-model-len",
+        type=_model_len,
+        default=None,
+        metavar="N",
+        help="the longest prompt + completion, tokens (1k = 1000, 1K = 1024); default: the "
+        "model's config.json, lowered to the engines' own once they are up (a prompt "
+        "over it, or a max_tokens over it, is vLLM's 400)",
+    )
+    model.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the directory of tokenizer.json and tokenizer_config.json (default: --vllm's)",
+    )
+    model.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template, its file or the text itself (default: the tokenizer's)",
+    )
+    model.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults: auto (default) the model's generation_config.json, vllm "
+        "none, DIR that folder's (temperature, top_p, top_k, min_p, the penalties, and "
+        "max_new_tokens as a chat's default max_tokens); a request's own fields win",
+    )
     group.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -190,7 +280,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=16, help="mock: running per rank")
     group.add_argument("--lockstep", action="store_true", help="mock: a lockstep group")
     http = parser.add_argument_group("http")
-    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1, this machine only: vLLM's "
+        "default is every interface; say --host 0.0.0.0 for that)",
+    )
+    http.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="the path prefix a proxy in front strips (ASGI root_path, as vLLM's)",
+    )
     http.add_argument("--port", type=int, default=8000, help="0: any free port")
     http.add_argument(
         "--server",
@@ -223,8 +324,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     http.add_argument(
         "--api-key",
-        default=os.environ.get("ZMQDP_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $ZMQDP_API_KEY)",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $ZMQDP_API_KEY, "
+        "else $VLLM_API_KEY; the flag wins, as vLLM's)",
     )
     http.add_argument(
         "--queue-timeout", type=float, default=0.0, help="wait for room before a 429, s"
@@ -281,9 +384,33 @@ def _max_inflight(text: str | None) -> int | str | None:
         ) from None
 
 
+def api_key(flag: str | None) -> str | None:
+    """The API key: `--api-key`, else $ZMQDP_API_KEY, else vLLM's $VLLM_API_KEY (the
+    flag first, as vLLM's frontend takes it); None for none."""
+    for key in (flag, os.environ.get("ZMQDP_API_KEY"), os.environ.get("VLLM_API_KEY")):
+        if key is not None and key.strip():
+            return key.strip()
+    return None
+
+
+def _vllm_only(args: argparse.Namespace) -> str | None:
+    """The first model option given without `--vllm`, as its flag."""
+    for name in VLLM_ONLY:
+        if getattr(args, name) is not None:
+            return "--" + name.replace("_", "-")
+    if args.generation_config != "auto":
+        return "--generation-config"
+    return None
+
+
 def app_from_args(args: argparse.Namespace) -> GatewayApp:
     from ..mock import MockConfig
 
+    if args.vllm is None and (flag := _vllm_only(args)) is not None:
+        raise SystemExit(
+            f"zmqdp serve: {flag} is for vLLM engines (--vllm MODEL_DIR): the native wire "
+            "has no tokenizer"
+        )
     options: dict[str, Any] = {
         "ready_timeout": args.ready_timeout,
         "heartbeat_timeout": args.heartbeat_timeout,
@@ -295,6 +422,8 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         "stream_interval": args.stream_interval,
         "insecure": args.insecure,
     }
+    if args.advertise_host is not None:
+        options["advertise_host"] = args.advertise_host
     options["routing"] = args.routing
     if args.keys is not None:
         from ..keys import load_client_keys
@@ -302,7 +431,7 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         options["curve"] = load_client_keys(args.keys)
     common: dict[str, Any] = {
         "model": args.served_model_name or args.model,
-        "api_key": (args.api_key or "").strip() or None,
+        "api_key": api_key(args.api_key),
         "vllm_metric_names": args.vllm_metric_names or args.vllm is not None,
         "queue_timeout": args.queue_timeout,
         "retry_after": args.retry_after,
@@ -321,14 +450,35 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
         )
         return create_app(args.url, mock=mock, **common, **options)
     if args.url is None or args.engines is None:
-        raise SystemExit("zmqdp serve: give --url URL --engines N, or --mock")
+        raise SystemExit(
+            "zmqdp serve: give --url URL --engines N (or --data-parallel-size N), or --mock"
+        )
     if args.vllm is not None:
-        from .. import vllm
-        from ..vllm.mock import model_directory
-        from .vllm_frontend import VllmFrontend
-
+        try:
+            from .. import vllm
+            from ..vllm.mock import model_directory
+            from .vllm_frontend import VllmFrontend, load_chat_template
+        except ImportError as exc:
+            raise SystemExit(
+                f"zmqdp serve --vllm needs the vllm extra ({exc.name} is missing): "
+                "pip install 'zmqdp[vllm]'"
+            ) from None
         try:  # (zmqdp-mock: the model directory shipped for `zmqdp mock --wire vllm`)
-            frontend = VllmFrontend(model_directory(args.vllm))
+            template = (
+                None if args.chat_template is None else load_chat_template(args.chat_template)
+            )
+            frontend = VllmFrontend(
+                model_directory(args.vllm),
+                max_model_len=args.max_model_len,
+                tokenizer=None if args.tokenizer is None else model_directory(args.tokenizer),
+                chat_template=template,
+                generation_config=args.generation_config,
+            )
+        except ImportError as exc:
+            raise SystemExit(
+                f"zmqdp serve --vllm needs the vllm extra ({exc.name} is missing): "
+                "pip install 'zmqdp[vllm]'"
+            ) from None
         except (OSError, ValueError, Exception) as exc:  # tokenizers raises its own
             raise SystemExit(f"zmqdp serve --vllm {args.vllm}: {exc}") from None
         if args.served_model_name is None and args.model == "zmqdp":
@@ -367,16 +517,18 @@ async def serve_hypercorn(
     startup_timeout: float = 70.0,
     max_connections: int | None = None,
     header_timeout: float = 5.0,
+    root_path: str = "",
 ) -> None:
     """Serve `app` with hypercorn's trio worker until a signal drains it (module
     docstring). `announce` gets the banner once the server listens. `max_connections`
     and `header_timeout`: `--max-connections` and `--header-timeout`
-    (`zmqdp.gateway.connections`)."""
+    (`zmqdp.gateway.connections`); `root_path`: `--root-path`, the ASGI scope's."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
     config = Config()
     config.bind = [f"{host}:{port}"]
+    config.root_path = root_path
     config.accesslog = "-" if access_log else None
     # hypercorn's loggers as they are (under `logging.basicConfig`), not its own stderr
     # handler as well: each line once.
@@ -449,6 +601,7 @@ def serve_uvicorn(
     max_connections: int | None = None,
     header_timeout: float = 5.0,
     http: str = "auto",
+    root_path: str = "",
 ) -> int:
     """Serve `app` with uvicorn until a signal drains it (module docstring); returns the
     exit status. `max_connections` and `header_timeout`: as `serve_hypercorn`'s; `http`:
@@ -529,6 +682,7 @@ def serve_uvicorn(
         access_log=access_log,
         log_level=log_level.lower(),
         timeout_graceful_shutdown=5,
+        root_path=root_path,
     )
     server = DrainingServer(config)
     failed_bind = _FailedBind()
@@ -637,8 +791,159 @@ def _first_leaf(error: BaseException) -> BaseException:
     return error
 
 
+_CLI_WORDS = (
+    ("raise ready_timeout", "raise --ready-timeout"),
+    ("`ready_timeout`", "--ready-timeout"),
+    ("pass insecure=True", "pass --insecure"),
+    ("without `insecure=True`", "without --insecure"),
+    (
+        "pass advertise_host=<an address the engines can reach>",
+        "pass --advertise-host HOST (an address the engines can reach)",
+    ),
+    (
+        "Give the client CURVE keys (curve=load_client_keys(DIR), keys made by ",
+        "Give --keys DIR (keys made by ",
+    ),
+    ("max_inflight='info'", "--max-inflight info"),
+    ("recover_timeout=", "--recover-timeout "),
+    ("heartbeat_timeout", "--heartbeat-timeout"),
+)
+"""The library's words for its options (right for a library user) and `serve`'s flags
+for them: a `serve` error names what its user types."""
+_LIBRARY_PREFIXES = ("ValueError: ", "PermissionError: ", "FileExistsError: ", "OSError: ")
+
+
+def cli_text(message: str) -> str:
+    """A library error's message in `serve`'s words (`_CLI_WORDS`), without the Python
+    type of a plain configuration error."""
+    for prefix in _LIBRARY_PREFIXES:
+        if message.startswith(prefix):
+            message = message[len(prefix) :]
+            break
+    for library, flag in _CLI_WORDS:
+        message = message.replace(library, flag)
+    return message
+
+
+def start_command(args: argparse.Namespace) -> str:
+    """How to start the engines `serve` waits for (each missing rank R)."""
+    url: str = args.url or ""
+    if args.vllm is None:
+        keys = f" --keys {args.keys}" if args.keys else ""
+        return f"python -m zmqdp mock --url {url} --engines {args.engines}{keys}"
+    host, port = "HOST", "PORT"
+    if url.startswith("tcp://"):
+        host, _, port = url[len("tcp://") :].rpartition(":")
+        if args.advertise_host:
+            host = args.advertise_host
+    return (
+        f"vllm serve {args.vllm} --headless --data-parallel-size {args.engines} "
+        "--data-parallel-size-local 1 --data-parallel-start-rank R "
+        f"--data-parallel-address {host} --data-parallel-rpc-port {port}"
+    )
+
+
+class StartupWatch(logging.Filter):
+    """What `serve` says while the group connects, and once if it fails.
+
+    * Progress: the ranks that came up (the transport's "rank N: up" lines, seen
+      whatever the log level) and those still missing, with the command that starts
+      them, every `interval` s (the first after `PROGRESS_FIRST`), from a thread, until
+      the app has its group.
+    * A failure, once: the app's "gateway startup failed" line and the server's own
+      copies of it ("Application startup failed", hypercorn's "Running on" that follows)
+      are held back; `run` prints `failure` in the CLI's words (`cli_text`) instead."""
+
+    def __init__(self, app: GatewayApp, args: argparse.Namespace, level: int) -> None:
+        super().__init__()
+        self.app = app
+        self.args = args
+        self.level = level
+        self.up: set[int] = set()
+        self.failure: str | None = None
+        self.done = threading.Event()
+        self.started = time.monotonic()
+        self._loggers = [
+            logging.getLogger(name) for name in ("zmqdp", "zmqdp.gateway", "uvicorn.error")
+        ]
+        self._loggers.append(logging.getLogger("hypercorn.error"))
+        self._saved = logging.getLogger("zmqdp").level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "zmqdp":
+            args = record.args
+            if record.msg == "rank %d: up (%s)" and isinstance(args, tuple) and args:
+                rank = args[0]
+                if type(rank) is int:
+                    self.up.add(rank)
+            return record.levelno >= self.level
+        if record.name == "zmqdp.gateway" and record.msg == "gateway startup failed: %s":
+            args = record.args
+            self.failure = str(args[0]) if isinstance(args, tuple) and args else record.getMessage()
+            return False
+        text = record.getMessage()
+        if record.name == "hypercorn.error" and text.startswith("Running on "):
+            return False  # (the banner says where, once the group is up)
+        return not (
+            text == "Application startup failed. Exiting."
+            or (self.failure is not None and text == self.failure)
+        )
+
+    def __enter__(self) -> StartupWatch:
+        for logger in self._loggers:
+            logger.addFilter(self)
+        zmqdp_log = logging.getLogger("zmqdp")
+        if zmqdp_log.getEffectiveLevel() > logging.INFO:
+            # to see "rank N: up" under a higher --log-level; the root's handlers then
+            # hold back what that level would not have shown (zmqdp's loggers below it)
+            zmqdp_log.setLevel(logging.INFO)
+            for handler in logging.getLogger().handlers:
+                handler.addFilter(self._quiet)
+        if self.args.mock or self.app.group is not None:
+            return self
+        threading.Thread(target=self._report, name="zmqdp-serve-progress", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        for logger in self._loggers:
+            logger.removeFilter(self)
+        for handler in logging.getLogger().handlers:
+            handler.removeFilter(self._quiet)
+        logging.getLogger("zmqdp").setLevel(self._saved)
+
+    def _quiet(self, record: logging.LogRecord) -> bool:
+        """A root handler's filter: zmqdp's records below the chosen level are dropped."""
+        zmqdp = record.name == "zmqdp" or record.name.startswith("zmqdp.")
+        return not zmqdp or record.levelno >= self.level
+
+    def _report(self) -> None:
+        interval = max(0.05, self.args.progress_interval)
+        wait = min(PROGRESS_FIRST, interval)
+        while not self.done.wait(wait):
+            wait = interval
+            if self.app.group is not None or self.failure is not None:
+                return
+            print(self.progress(), file=sys.stderr, flush=True)
+
+    def progress(self) -> str:
+        """One report: the ranks up and missing, and how to start the missing."""
+        engines: int = self.args.engines
+        up = sorted(r for r in self.up if 0 <= r < engines)
+        missing = [r for r in range(engines) if r not in self.up]
+        waited = time.monotonic() - self.started
+        ranks = ", ".join(map(str, up)) if up else "none"
+        return (
+            f"zmqdp serve: waiting for engines at {self.args.url} ({waited:.0f} s of "
+            f"--ready-timeout {self.args.ready_timeout:g}): {len(up)} of {engines} ranks "
+            f"up ({ranks}); missing: {', '.join(map(str, missing))}. Start each missing "
+            f"rank R with: {start_command(self.args)}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """`python -m zmqdp serve ...`."""
+    level = getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
     raise_open_files_limit()  # before anything opens: see zmqdp.fdlimit
     if args.max_connections is not None and args.max_connections < 0:
@@ -680,46 +985,55 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        return serve_uvicorn(
-            app,
-            args.host,
-            args.port,
-            access_log=args.access_log,
-            log_level=args.log_level,
-            max_connections=args.max_connections,
-            header_timeout=args.header_timeout,
-            http=args.http,
-        )
-    from hypercorn.utils import LifespanFailureError
-
-    try:
-        trio.run(
-            partial(
-                serve_hypercorn,
+        with StartupWatch(app, args, level) as watch:
+            status = serve_uvicorn(
                 app,
                 args.host,
                 args.port,
                 access_log=args.access_log,
-                startup_timeout=args.ready_timeout + 10,
+                log_level=args.log_level,
                 max_connections=args.max_connections,
                 header_timeout=args.header_timeout,
+                http=args.http,
+                root_path=args.root_path,
             )
-        )
-    except LifespanFailureError as exc:
-        print(f"zmqdp serve: {exc}", file=sys.stderr)
-        return 1
-    except (OSError, BaseExceptionGroup) as error:
-        # The port was taken between `listen_problem` and hypercorn's own bind (which
-        # comes after the group connected): the same one line, not the nested groups.
-        bind = _bind_error(error)
-        if bind is not None:
-            print(f"zmqdp serve: {_bind_advice(args.host, args.port, bind)}", file=sys.stderr)
-            return 1
-        if not isinstance(error, BaseExceptionGroup):
-            raise
-        failed, rest = error.split(LifespanFailureError)
-        if failed is None or rest is not None:
-            raise
-        print(f"zmqdp serve: {_first_leaf(failed)}", file=sys.stderr)
-        return 1
-    return 0
+        if watch.failure is not None:
+            print(f"zmqdp serve: {cli_text(watch.failure)}", file=sys.stderr)
+            return status or 1
+        return status
+    from hypercorn.utils import LifespanFailureError
+
+    with StartupWatch(app, args, level) as watch:
+        try:
+            trio.run(
+                partial(
+                    serve_hypercorn,
+                    app,
+                    args.host,
+                    args.port,
+                    access_log=args.access_log,
+                    startup_timeout=args.ready_timeout + 10,
+                    max_connections=args.max_connections,
+                    header_timeout=args.header_timeout,
+                    root_path=args.root_path,
+                )
+            )
+        except LifespanFailureError as exc:
+            failure = watch.failure or str(exc)
+        except (OSError, BaseExceptionGroup) as error:
+            # The port was taken between `listen_problem` and hypercorn's own bind (which
+            # comes after the group connected): the same one line, not the nested groups.
+            bind = _bind_error(error)
+            if bind is not None:
+                print(f"zmqdp serve: {_bind_advice(args.host, args.port, bind)}", file=sys.stderr)
+                return 1
+            if not isinstance(error, BaseExceptionGroup):
+                raise
+            failed, rest = error.split(LifespanFailureError)
+            if failed is None or rest is not None:
+                raise
+            failure = watch.failure or str(_first_leaf(failed))
+        else:
+            return 0
+    print(f"zmqdp serve: {cli_text(failure)}", file=sys.stderr)
+    return 1

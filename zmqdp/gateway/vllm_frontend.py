@@ -21,7 +21,9 @@ frontend's (vLLM's `InputProcessor` and `OutputProcessor`). Here, per request:
    one character is held back (it may be the start of a stop string the next token
    completes), so a stop string never reaches the client. On a match the text ends
    before it (vLLM's default, `include_stop_str_in_output` false) and the piece says
-   ``finish_reason="stop"``: the gateway ends the response there and aborts the
+   ``finish_reason="stop"`` and, as vLLM, ``stop_reason`` the string (of several found,
+   the one that ends first); an engine's stop on a `stop_token_ids` id has that id as
+   its ``stop_reason``, EOS none: the gateway ends the response there and aborts the
    request on its rank. The engine's own finish releases what was held back.
 
 `usage.completion_tokens` counts the engine's tokens (those after a stop string
@@ -30,6 +32,7 @@ included, up to the output that completed it).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -41,7 +44,14 @@ from typing import Any
 from .._core.messages import Output
 from .frontend import CompletionRequest, Piece, Prepared, decode_each
 
-__all__ = ["FIELDS", "MAX_STOP_STRINGS", "VllmFrontend"]
+__all__ = [
+    "FIELDS",
+    "GENERATION_CONFIG",
+    "MAX_STOP_STRINGS",
+    "VllmFrontend",
+    "VllmValidationError",
+    "load_chat_template",
+]
 
 FIELDS = frozenset(
     {
@@ -66,6 +76,74 @@ MAX_STOP_LENGTH = 256
 """The longest stop string taken (characters)."""
 PRIME_TOKENS = 5
 """Prompt tokens the detokenizer starts from (vLLM's initial offset)."""
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""A completion's `max_tokens` when the client gives none (vLLM's and OpenAI's)."""
+GENERATION_CONFIG = ("auto", "vllm")
+"""`generation_config`'s words (else a folder): vLLM's ``--generation-config``."""
+_SAMPLING_DEFAULTS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
+"""The generation config's fields vLLM takes as sampling defaults (`get_diff_sampling_param`)."""
+_HF_DEFAULTS: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+}
+"""Hugging Face's `GenerationConfig` defaults: a field at its default is not in vLLM's
+`to_diff_dict()`, so it is no default of vLLM's either."""
+
+
+class VllmValidationError(ValueError):
+    """A request vLLM refuses with a 400 ``BadRequestError`` naming `param`: the gateway
+    answers it with vLLM's type, message and param."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's ``--chat-template``: a file's path (its text), else the template itself
+    if it looks like one (it has ``{``, ``}`` or a newline). `ValueError` otherwise."""
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(
+                f"--chat-template {value!r}: no such file ({exc.strerror}), and not a "
+                "template (no '{', '}' or newline)"
+            ) from None
+    return value
+
+
+def generation_defaults(source: str, model_dir: Path) -> dict[str, Any]:
+    """The sampling defaults vLLM takes from a model's ``generation_config.json``
+    (``--generation-config``: "auto", the model directory's; "vllm", none; a folder,
+    that folder's), with `max_new_tokens` as `max_tokens`: the fields of
+    `_SAMPLING_DEFAULTS` not at Hugging Face's defaults."""
+    if source == "vllm":
+        return {}
+    folder = model_dir if source == "auto" else Path(source)
+    if source != "auto" and not (folder / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {source}: no generation_config.json there")
+    config = _read_json(folder / "generation_config.json")
+    defaults = {
+        k: v
+        for k in _SAMPLING_DEFAULTS
+        if (v := config.get(k)) is not None and (k not in _HF_DEFAULTS or v != _HF_DEFAULTS[k])
+    }
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    return defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +212,17 @@ class VllmFrontend:
     for the EOS token id and the model length). Serve it with a group from
     `zmqdp.vllm.connect` (or `python -m zmqdp serve --vllm MODEL_DIR`).
 
-    `max_model_len`: the longest prompt + completion (default: the model's
-    ``max_position_embeddings``, else the tokenizer's ``model_max_length``)."""
+    As vLLM's frontend (``vllm serve``'s flags of the same names):
+
+    * `max_model_len`: the longest prompt + completion (default: the model's
+      ``max_position_embeddings``, else the tokenizer's ``model_max_length``); once the
+      engines are up, `learn_engines` lowers it to theirs (vLLM takes the least of its
+      own and the engines' ready responses);
+    * `tokenizer`: the directory of ``tokenizer.json`` and ``tokenizer_config.json``
+      (default: `model_dir`);
+    * `chat_template`: a template replacing the tokenizer's (`load_chat_template`);
+    * `generation_config`: where the sampling defaults come from (`generation_defaults`):
+      a request's own fields win, then these, then vLLM's neutral values."""
 
     fields = FIELDS
     threaded = True
@@ -143,29 +230,43 @@ class VllmFrontend:
     long prompt takes long enough to hold up every other request on the event loop (and
     the tokenizer lets go of the GIL meanwhile: `_encoding`)."""
 
-    def __init__(self, model_dir: str | Path, *, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_model_len: int | None = None,
+        tokenizer: str | Path | None = None,
+        chat_template: str | None = None,
+        generation_config: str = "auto",
+    ) -> None:
         from tokenizers import Tokenizer
 
         directory = Path(model_dir)
-        path = directory / "tokenizer.json"
+        words = Path(tokenizer) if tokenizer is not None else directory
+        path = words / "tokenizer.json"
         if not path.is_file():
-            raise ValueError(f"{directory}: no tokenizer.json (a Hugging Face model directory)")
-        tokenizer = Tokenizer.from_file(str(path))
+            raise ValueError(f"{words}: no tokenizer.json (a Hugging Face model directory)")
+        tokenizer_ = Tokenizer.from_file(str(path))
         config = _read_json(directory / "config.json")
         generation = _read_json(directory / "generation_config.json")
-        tokenizer_config = _read_json(directory / "tokenizer_config.json")
+        tokenizer_config = _read_json(words / "tokenizer_config.json")
+        self.sampling_defaults: dict[str, Any] = generation_defaults(generation_config, directory)
+        """The model's sampling defaults, as vLLM applies them (`generation_defaults`)."""
+        self.configured_max_model_len: int | None = None
+        """The length from the flag or the model's config, before the engines' (`learn_engines`)."""
         eos = _first_int(generation.get("eos_token_id"))
         if eos is None:
             eos = _first_int(config.get("eos_token_id"))
         if eos is None and isinstance(tokenizer_config.get("eos_token"), str):
-            eos = tokenizer.token_to_id(tokenizer_config["eos_token"])
+            eos = tokenizer_.token_to_id(tokenizer_config["eos_token"])
         if max_model_len is None:
             length = config.get("max_position_embeddings", tokenizer_config.get("model_max_length"))
             max_model_len = length if type(length) is int and 0 < length < 1 << 40 else None
-        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.configured_max_model_len = max_model_len
+        vocab = tokenizer_.get_vocab(with_added_tokens=True)
         self.model = _Model(
-            tokenizer,
-            tokenizer.get_vocab_size(with_added_tokens=True),
+            tokenizer_,
+            tokenizer_.get_vocab_size(with_added_tokens=True),
             eos,
             max_model_len,
             max(1, max((len(piece) for piece in vocab), default=1)),
@@ -173,7 +274,9 @@ class VllmFrontend:
         self._special = {
             k: _token_text(tokenizer_config.get(k)) for k in ("bos_token", "eos_token")
         }
-        source = tokenizer_config.get("chat_template")
+        source: Any = chat_template
+        if source is None:
+            source = tokenizer_config.get("chat_template")
         if isinstance(source, list):  # named templates: the "default" one
             source = next(
                 (
@@ -183,8 +286,8 @@ class VllmFrontend:
                 ),
                 None,
             )
-        if not isinstance(source, str) and (directory / "chat_template.jinja").is_file():
-            source = (directory / "chat_template.jinja").read_text()
+        if not isinstance(source, str) and (words / "chat_template.jinja").is_file():
+            source = (words / "chat_template.jinja").read_text()
         self._template: Any = None
         self.template_problem: str | None = None
         """Why chat is off for this model (no template, or one that does not compile);
@@ -193,6 +296,8 @@ class VllmFrontend:
             try:
                 self._template = _compile_template(source)
             except ValueError as exc:
+                if chat_template is not None:  # the operator's own: refused at start
+                    raise ValueError(f"--chat-template: {exc}") from None
                 self.template_problem = str(exc)
         else:
             self.template_problem = (
@@ -223,6 +328,20 @@ class VllmFrontend:
             ) from None
         return rendered
 
+    def learn_engines(self, infos: Sequence[Mapping[str, Any]]) -> None:
+        """Lower the model length to the engines' (each rank's ready response
+        ``max_model_len``), as vLLM's frontend does once its engines are up: an engine
+        started with ``--max-model-len 256`` under a config of 4096 has prompts checked
+        against 256. Lengths only go down from `configured_max_model_len`."""
+        lengths = [n for info in infos if type(n := info.get("max_model_len")) is int and n > 0]
+        if not lengths:
+            return
+        length = min(lengths)
+        if self.configured_max_model_len is not None:
+            length = min(length, self.configured_max_model_len)
+        if length != self.model.max_model_len:
+            self.model = dataclasses.replace(self.model, max_model_len=length)
+
     @property
     def eos_token_id(self) -> int | None:
         return self.model.eos_token_id
@@ -252,9 +371,12 @@ class VllmFrontend:
         model = self.model
         length = model.max_model_len
         if length is not None and len(text) > length * model.widest:
-            raise ValueError(
-                f"'prompt' has {len(text)} characters: more than this model's maximum context "
-                f"length ({length} tokens) can hold"
+            raise VllmValidationError(
+                f"This model's maximum context length is {length} tokens. However, your "
+                f"prompt contains {len(text)} characters (more than {length * model.widest} "
+                f"characters, which is the upper bound for {length} input tokens). Please "
+                "reduce the length of the input prompt.",
+                "input_text",
             )
         try:
             return model.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0]
@@ -280,15 +402,41 @@ class VllmFrontend:
             count = len(prompt)
         if not count:
             raise ValueError("'prompt' is empty (no tokens)")
-        if length is not None and not request.max_tokens_given:
-            max_tokens = max(1, min(max_tokens, length - count))  # as vLLM: the rest
-        if length is not None and count + max_tokens > length:
-            # (before a list of ids is made, or each id looked at)
-            raise ValueError(
-                f"this model's maximum context length is {length} tokens; you requested "
-                f"{count + max_tokens} ({count} in the prompt, "
-                f"{max_tokens} in the completion ('max_tokens'))"
+        defaults = self.sampling_defaults
+        if not request.max_tokens_given:
+            # vLLM: a completion's field defaults to 16; a chat's to the generation
+            # config's max_new_tokens, else the rest of the model's length
+            fallback: int | None = (
+                defaults.get("max_tokens") if request.chat else DEFAULT_COMPLETION_MAX_TOKENS
             )
+            if fallback is not None:
+                max_tokens = fallback
+            elif length is not None:
+                max_tokens = length - count
+        if length is not None:
+            # vLLM's checks and clamp (TokenizeParams, get_max_tokens), before a list of
+            # ids is made or each id looked at
+            if count > length:
+                raise VllmValidationError(
+                    f"This model's maximum context length is {length} tokens. However, your "
+                    f"prompt contains {count} input tokens, which exceeds this limit even "
+                    "without any output tokens. Please reduce the length of the input prompt.",
+                    "input_tokens",
+                )
+            if request.max_tokens_given and max_tokens > length:
+                raise VllmValidationError(
+                    f"max_tokens={max_tokens} cannot be greater than max_model_len={length}. "
+                    "Please request fewer output tokens.",
+                    "max_tokens",
+                )
+            max_tokens = min(max_tokens, length - count)
+            if max_tokens < 1:
+                raise VllmValidationError(
+                    f"This model's maximum context length is {length} tokens. However, your "
+                    f"prompt contains {count} input tokens, which leaves no room for output "
+                    "tokens. Please reduce the length of the input prompt.",
+                    "input_tokens",
+                )
         if isinstance(prompt, str):
             ids: list[int] = encoding.ids
         else:
@@ -308,7 +456,7 @@ class VllmFrontend:
         ignore_eos = raw.get("ignore_eos", False)
         if type(ignore_eos) is not bool:
             raise ValueError("'ignore_eos' must be a boolean")
-        options: dict[str, Any] = {
+        options: dict[str, Any | None] = {
             "temperature": _number(raw, "temperature", 0.0, 2.0),
             "top_p": _number(raw, "top_p", 1e-9, 1.0),
             "min_p": _number(raw, "min_p", 0.0, 1.0),
@@ -319,6 +467,9 @@ class VllmFrontend:
             "seed": _integer(raw, "seed", -(1 << 63), (1 << 63) - 1),
             "min_tokens": _integer(raw, "min_tokens", 0, max_tokens),
         }
+        for name, value in defaults.items():  # the request's own fields win (vLLM)
+            if options.get(name, 0) is None:
+                options[name] = value if name == "top_k" else float(value)
         sampling = SamplingParams(
             **{k: v for k, v in options.items() if v is not None},
             max_tokens=max_tokens,
@@ -411,20 +562,23 @@ class _Decoder:
         text = "".join(parts)
         finish = output.finish
         if not self._stops:
-            return Piece(text, len(ids), None if finish is None else _FINISHES.get(finish, finish))
+            if finish is None:
+                return Piece(text, len(ids), None)
+            return Piece(
+                text, len(ids), _FINISHES.get(finish, finish), getattr(body, "stop_reason", None)
+            )
         held = self._held + text
         self._before -= len(ids)
-        cut = (
-            min((i for s in self._stops if (i := held.find(s)) >= 0), default=-1)
-            if self._before <= 0
-            else -1
-        )
-        if cut >= 0:
-            self._held = ""
-            return Piece(held[:cut], len(ids), "stop")
+        if self._before <= 0:
+            match = _first_stop(held, self._stops)
+            if match is not None:
+                self._held = ""
+                return Piece(held[: match[1]], len(ids), "stop", match[0])
         if finish is not None:
             self._held = ""
-            return Piece(held, len(ids), _FINISHES.get(finish, finish))
+            return Piece(
+                held, len(ids), _FINISHES.get(finish, finish), getattr(body, "stop_reason", None)
+            )
         keep = len(held) - self._hold
         if keep <= 0:
             self._held = held
@@ -454,5 +608,23 @@ class _Decoder:
                     parts.append(piece)
             finish = output.finish
             if finish is not None:
-                return Piece("".join(parts), tokens, _FINISHES.get(finish, finish))
+                return Piece(
+                    "".join(parts),
+                    tokens,
+                    _FINISHES.get(finish, finish),
+                    getattr(output.body, "stop_reason", None),
+                )
         return Piece("".join(parts), tokens, None)
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[str, int] | None:
+    """The stop string found in `text` that ends first (ties: the first in the list),
+    and where it starts: vLLM's choice (`check_stop_strings`), so `stop_reason` names
+    the string vLLM would."""
+    best: tuple[str, int] | None = None
+    best_end = len(text) + 1
+    for stop in stops:
+        at = text.find(stop)
+        if at >= 0 and at + len(stop) < best_end:
+            best, best_end = (stop, at), at + len(stop)
+    return best
