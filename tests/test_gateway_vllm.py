@@ -620,6 +620,29 @@ async def test_stop_reason_is_vllms(chat: bool, stream: bool, case: str) -> None
     assert last_choice["finish_reason"] == ("length" if expected is None else "stop")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_token_s_text_is_left_out_as_vllm_does(stream: bool) -> None:
+    """An engine that stops on a stop token id (or EOS) sends that token; vLLM's
+    detokenizer leaves its text out (`include_stop_str_in_output` false), so the text
+    ends before it, streamed or not (it was kept before)."""
+    last = 91  # the fakes count up from the prompt's last token, "x"
+    body = {"prompt": "x", "max_tokens": 8, "stream": stream, "stop_token_ids": [last + 4]}
+    async with (
+        vllm_group(1) as (group, _),
+        serving(create_app(group=group, frontend=frontend())) as client,
+    ):
+        if stream:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                chunks = [json.loads(e) for e in (await all_events(response))[:-1]]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        else:
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            text = response.json()["choices"][0]["text"]
+            assert response.json()["usage"]["completion_tokens"] == 4  # still counted
+    assert text == text_of([last + 1, last + 2, last + 3])
+
+
 async def test_the_engines_max_model_len_is_the_limit_and_max_tokens_is_clamped() -> None:
     """The engines' ready responses say 64 under a model config of 512: vLLM's frontend
     takes the least, so 64 is the limit (before issue 35 the gateway let max_tokens run

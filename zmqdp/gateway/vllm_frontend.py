@@ -555,12 +555,14 @@ class _Decoder:
         ids = getattr(body, "token_ids", None) or []
         step, tokenizer = self._step, self._tokenizer
         parts = []
-        for t in ids:  # (a plain loop: `step` of a list holds back text it would not)
-            piece = step(tokenizer, t)
+        finish = output.finish
+        # An engine's "stop" is its EOS or a stop token id: vLLM's detokenizer leaves
+        # that last token's text out (`include_stop_str_in_output` false), and so do we.
+        for t in ids[:-1] if finish == "stop" else ids:  # (a plain loop: `step` of a
+            piece = step(tokenizer, t)  # list holds back text it would not)
             if piece is not None:
                 parts.append(piece)
         text = "".join(parts)
-        finish = output.finish
         if not self._stops:
             if finish is None:
                 return Piece(text, len(ids), None)
@@ -602,11 +604,11 @@ class _Decoder:
         for output in outputs:
             ids = getattr(output.body, "token_ids", None) or ()
             tokens += len(ids)
-            for t in ids:
-                piece = step(tokenizer, t)
+            finish = output.finish
+            for t in ids[:-1] if finish == "stop" else ids:  # (`decode`: a stop token's
+                piece = step(tokenizer, t)  # text is left out, as vLLM does)
                 if piece is not None:
                     parts.append(piece)
-            finish = output.finish
             if finish is not None:
                 return Piece(
                     "".join(parts),
