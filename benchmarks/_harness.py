@@ -113,6 +113,13 @@ def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> Non
         print(f"{r.key:4} {r.figure}: ratio {r.ratio:.3g} ({mark}); {r.context}")
 
 
+def plain_numbers(axis: Any) -> None:
+    """Tick labels as plain numbers: 0.01, 100, 1,000,000 (not 10^2, nor a 1e6 offset)."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.10g}"))
+
+
 def plot(
     name: str,
     draw: Callable[[Any], None],

@@ -24,7 +24,7 @@ import cbor2
 import trio
 import zmq
 from _engines import engine_process, paced, plain_paced
-from _harness import Row, pct, plot, save
+from _harness import Row, pct, plain_numbers, plot, save
 
 from zmqdp import EngineGroup, Request
 
@@ -110,10 +110,18 @@ def draw(extra: dict[str, Any], directory: Path | None = None) -> None:
             xs = sorted(v * 1e6 for v in extra["samples"][name])
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
         ax.set_xscale("log")
+        plain_numbers(ax.xaxis)
         ax.set_xlabel("engine send -> consumer, µs")
         ax.set_ylabel("fraction of outputs")
 
-    plot("latency_cdf", lines, "Latency CDF, one output every 2 ms", directory=directory)
+    plot(
+        "latency_cdf",
+        lines,
+        "Latency CDF, one output every 2 ms",
+        size=(9.0, 4.0),
+        legend_outside=True,
+        directory=directory,
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import cbor2
 import trio
 import zmq
 from _engines import blast, engine_process, plain_blast
-from _harness import Row, median, plot, save
+from _harness import Row, median, plain_numbers, plot, save
 
 from zmqdp import EngineGroup, Output, Request
 from zmqdp._zmq import ZSocket
@@ -217,6 +217,8 @@ def draw(extra: dict[str, Any], directory: Path | None = None) -> None:
         for name, label in P1_LABELS.items():
             ax.plot(sizes, [by_size[s][name] for s in sizes], marker="o", label=label)
         ax.set_xscale("log")
+        plain_numbers(ax.xaxis)
+        plain_numbers(ax.yaxis)
         ax.set_xlabel("consuming streams")
         ax.set_ylabel("outputs delivered per second")
 

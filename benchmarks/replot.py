@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from _harness import HERE, PLOTS, RESULTS, plot
+from _harness import HERE, PLOTS, RESULTS, plain_numbers, plot
 
 ZMQDP_SERVERS = {  # the row suffix -> the legend
     "a": "zmqdp serve, uvicorn (asyncio; the default)",
@@ -138,7 +138,7 @@ def gateway_vs_peers(rows: Mapping[str, str], directory: Path = PLOTS) -> Path |
                 [f"{PEER_TICKS[p]}\n{MODES[m]}" for p, m in groups],
                 fontsize=8,
             )
-            ax.yaxis.set_major_formatter(_thousands())
+            plain_numbers(ax.yaxis)
             ax.set_title(f"{c} concurrent requests", fontsize=10)
             ax.set_ylabel(ylabels[figure], fontsize=8)
             ax.grid(True, axis="y", alpha=0.3)
@@ -154,19 +154,6 @@ def gateway_vs_peers(rows: Mapping[str, str], directory: Path = PLOTS) -> Path |
         grid=(2, 2),
         size=(12.0, 8.5),
     )
-
-
-def _thousands() -> Any:
-    from matplotlib.ticker import FuncFormatter
-
-    return FuncFormatter(lambda value, _: f"{value:,.0f}")
-
-
-def _plain_numbers() -> Any:
-    """0.01, 0.1, 1 instead of 10^-2 on a log axis."""
-    from matplotlib.ticker import FuncFormatter
-
-    return FuncFormatter(lambda value, _: f"{value:g}")
 
 
 LIVENESS_CASES = {  # the L row key's letters -> words
@@ -211,7 +198,7 @@ def liveness(rows: Mapping[str, str], directory: Path = PLOTS) -> Path | None:
         )
         ax.set_yticks(ys, [c[0] for c in cases], fontsize=8)
         ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(_plain_numbers())
+        plain_numbers(ax.xaxis)
         ax.set_xlabel("seconds from the engine's death to its rank reported down")
 
     return plot(
