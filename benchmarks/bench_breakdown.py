@@ -537,7 +537,18 @@ SHORT = {
 """The plot's legend."""
 
 
-def draw(cells: dict[str, dict[str, Any]]) -> None:
+CELL_WORDS = {"trio": "hypercorn (trio)", "asyncio": "uvicorn (asyncio)"}
+CELL_WORDS |= {"sse": "streaming", "json": "non-streaming"}
+
+
+def cell_label(name: str) -> str:
+    """A cell's name in words: "trio 256 sse" -> hypercorn (trio), 256 concurrent,
+    streaming, a line each."""
+    server, c, mode = name.split()
+    return f"{CELL_WORDS[server]}\n{c} concurrent\n{CELL_WORDS[mode]}"
+
+
+def draw(cells: dict[str, dict[str, Any]], directory: Path | None = None) -> None:
     """plots/breakdown.png: one stacked bar per measured cell."""
     names = list(cells)
     if not any(f["samples"] for f in cells.values()):
@@ -545,19 +556,21 @@ def draw(cells: dict[str, dict[str, Any]]) -> None:
 
     def bars(ax: Any) -> None:
         bottom = [0.0] * len(names)
+        labels = [cell_label(n) for n in names]
         for key in CATEGORIES:
             values = [cells[n]["us"].get(key, 0.0) for n in names]
-            ax.bar(names, values, bottom=bottom, label=SHORT[key])
+            ax.bar(labels, values, bottom=bottom, label=SHORT[key])
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         ax.set_ylabel("gateway CPU µs per token")
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax.tick_params(axis="x", labelsize=7)
 
     plot(
         "breakdown",
         bars,
         "zmqdp serve: CPU per token, by category",
-        size=(6.4 + 0.5 * max(0, len(names) - 4), 4.0),
+        size=(6.4 + 1.1 * max(0, len(names) - 4), 4.0),
         legend_outside=True,
+        directory=directory,
     )
 
 

@@ -1379,34 +1379,38 @@ def vllm_vs_zmqdp(args: argparse.Namespace) -> None:
 
 
 STACK_LABELS = {
-    "trio": "zmqdp trio",
-    "asyncio": "zmqdp asyncio",
-    "smg": "SMG",
-    "vllm": "vLLM Python",
-    "vllmrs": "vLLM Rust",
+    "trio": "zmqdp serve, hypercorn (trio)",
+    "asyncio": "zmqdp serve, uvicorn (asyncio; the default)",
+    "smg": "SMG (Rust)",
+    "vllm": "vLLM's Python frontend",
+    "vllmrs": "vLLM's Rust frontend",
 }
+PLOT_MODES = {"sse": "streaming", "json": "non-streaming"}
 
 
-def plot_stacks() -> None:
+def plot_stacks(results: Path | None = None, directory: Path | None = None) -> None:
     """plots/gateway_cpu.png: the gateway CPU µs per token of every stack (zmqdp's from
     the S run, else the V/R run's; SMG; vLLM's frontends), at c=256 and c=32, SSE and
-    JSON, from the S and V/R runs' saved results (whichever exist)."""
-    figures: dict[str, dict[str, float]] = {}  # stack -> "c=256 SSE" -> µs/token
+    JSON, from the S and V/R runs' saved results in `results` (default `RESULTS`),
+    whichever exist."""
+    results = RESULTS if results is None else results
+    figures: dict[str, dict[str, float]] = {}  # stack -> "256 concurrent\nstreaming" -> µs
     for name in ("gateway_vllmfe", "gateway_smg"):  # the S run's zmqdp last: it wins
-        path = RESULTS / f"{name}.json"
+        path = results / f"{name}.json"
         if not path.exists():
             continue
         for kind, by_c in json.loads(path.read_text())["extra"]["results"].items():
             for c, by_mode in by_c.items():
                 for mode, f in by_mode.items():
-                    figures.setdefault(kind, {})[f"c={c} {SMG_MODES[mode]}"] = f["cpu_us"]
+                    group = f"{c} concurrent\n{PLOT_MODES[mode]}"
+                    figures.setdefault(kind, {})[group] = f["cpu_us"]
     kinds = [k for k in STACK_LABELS if k in figures]
     if not any(k not in FLAVOURS for k in kinds):
         return  # no peer measured: nothing to compare
     groups = [
         g
         for c in (256, 32)
-        for g in (f"c={c} {SMG_MODES['sse']}", f"c={c} {SMG_MODES['json']}")
+        for g in (f"{c} concurrent\n{PLOT_MODES['sse']}", f"{c} concurrent\n{PLOT_MODES['json']}")
         if any(g in figures[k] for k in kinds)
     ]
 
@@ -1420,10 +1424,17 @@ def plot_stacks() -> None:
                 width,
                 label=STACK_LABELS[kind],
             )
-        ax.set_xticks(range(len(groups)), [g.replace("non-streaming ", "") for g in groups])
+        ax.set_xticks(range(len(groups)), groups, fontsize=8)
         ax.set_ylabel("gateway CPU µs per token (every process)")
 
-    plot("gateway_cpu", draw, "Gateway CPU per token, fake vLLM engines", legend_outside=True)
+    plot(
+        "gateway_cpu",
+        draw,
+        "Gateway CPU per token, fake vLLM engines",
+        size=(8.0, 4.0),
+        legend_outside=True,
+        directory=directory,
+    )
 
 
 def main() -> None:

@@ -17,13 +17,14 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import cbor2
 import trio
 import zmq
 from _engines import engine_process, paced, plain_paced
-from _harness import Row, pct, plot, save
+from _harness import Row, pct, plain_numbers, plot, save
 
 from zmqdp import EngineGroup, Request
 
@@ -77,6 +78,7 @@ def main() -> None:
     tokens, rounds = (100, 1) if args.quick else (args.tokens, args.rounds)
     m = trio.run(measure, tokens, args.interval, rounds)
     ours, base = statistics.median(m["zmqdp"]), statistics.median(m["plain"])
+    samples = {"samples": m}
     save(
         "latency",
         [
@@ -89,17 +91,37 @@ def main() -> None:
                 f"{pct(m['zmqdp'], 0.99) * 1e6:.0f} vs {pct(m['plain'], 0.99) * 1e6:.0f} µs",
             )
         ],
+        samples,
     )
+    draw(samples)
 
-    def draw(ax: Any) -> None:
-        for name in ("zmqdp", "plain"):
-            xs = sorted(v * 1e6 for v in m[name])
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+
+LAT_LABELS = {
+    "zmqdp": "zmqdp (EngineGroup stream)",
+    "plain": "blocking pyzmq receive (no client library)",
+}
+
+
+def draw(extra: dict[str, Any], directory: Path | None = None) -> None:
+    """plots/latency_cdf.png from the saved results' `samples` (seconds per output)."""
+
+    def lines(ax: Any) -> None:
+        for name, label in LAT_LABELS.items():
+            xs = sorted(v * 1e6 for v in extra["samples"][name])
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
         ax.set_xscale("log")
+        plain_numbers(ax.xaxis)
         ax.set_xlabel("engine send -> consumer, µs")
         ax.set_ylabel("fraction of outputs")
 
-    plot("latency_cdf", draw, "Latency CDF, one output every 2 ms")
+    plot(
+        "latency_cdf",
+        lines,
+        "Latency CDF, one output every 2 ms",
+        size=(9.0, 4.0),
+        legend_outside=True,
+        directory=directory,
+    )
 
 
 if __name__ == "__main__":

@@ -27,13 +27,14 @@ import argparse
 import math
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import cbor2
 import trio
 import zmq
 from _engines import blast, engine_process, plain_blast
-from _harness import Row, median, plot, save
+from _harness import Row, median, plain_numbers, plot, save
 
 from zmqdp import EngineGroup, Output, Request
 from zmqdp._zmq import ZSocket
@@ -196,14 +197,39 @@ def main() -> None:
         {"by_size": by_size},
     )
 
-    def draw(ax: Any) -> None:
-        for name in ("zmqdp", "channel", "plain", "trio"):
-            ax.plot(sizes, [by_size[s][name] for s in sizes], marker="o", label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("consuming streams")
-        ax.set_ylabel("outputs/s")
+    draw({"by_size": by_size})
 
-    plot("p1_delivery", draw, "P1: outputs/s against the number of streams")
+
+P1_LABELS = {  # the series -> the legend
+    "zmqdp": "zmqdp's streams",
+    "channel": "streams that send each output on a trio memory channel",
+    "plain": "bare blocking receive + cbor2 decode (no streams)",
+    "trio": "receive in trio + cbor2 decode (no streams)",
+}
+
+
+def draw(extra: dict[str, Any], directory: Path | None = None) -> None:
+    """plots/p1_delivery.png from the saved results' `by_size`."""
+    by_size = {int(k): v for k, v in extra["by_size"].items()}
+    sizes = sorted(by_size)
+
+    def lines(ax: Any) -> None:
+        for name, label in P1_LABELS.items():
+            ax.plot(sizes, [by_size[s][name] for s in sizes], marker="o", label=label)
+        ax.set_xscale("log")
+        plain_numbers(ax.xaxis)
+        plain_numbers(ax.yaxis)
+        ax.set_xlabel("consuming streams")
+        ax.set_ylabel("outputs delivered per second")
+
+    plot(
+        "p1_delivery",
+        lines,
+        "P1: outputs/s against the number of streams",
+        size=(9.0, 4.0),
+        legend_outside=True,
+        directory=directory,
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -96,14 +97,29 @@ def main() -> None:
         {"rounds": {k: m[k] for k in ("lockstep", "independent")}},
     )
 
-    def draw(ax: Any) -> None:
-        for kind in ("lockstep", "independent"):
-            ax.plot(range(1, rounds + 1), m[kind], marker="o", label=kind)
-        ax.set_xlabel("round")
+    draw({"rounds": {k: m[k] for k in ("lockstep", "independent")}})
+
+
+P3_LABELS = {
+    "lockstep": "lockstep group (MoE waves: ranks step together)",
+    "independent": "independent ranks",
+}
+
+
+def draw(extra: dict[str, Any], directory: Path | None = None) -> None:
+    """plots/p3_lockstep.png from the saved results' `rounds` (requests/s per round)."""
+    by_kind: dict[str, list[float]] = extra["rounds"]
+
+    def lines(ax: Any) -> None:
+        for kind, label in P3_LABELS.items():
+            rounds = range(1, len(by_kind[kind]) + 1)
+            ax.plot(rounds, by_kind[kind], marker="o", label=label)
+        ax.set_xticks(range(1, max(len(v) for v in by_kind.values()) + 1))
+        ax.set_xlabel("measurement round (the two groups alternate)")
         ax.set_ylabel("requests/s")
         ax.set_ylim(bottom=0)
 
-    plot("p3_lockstep", draw, "P3: 8 ranks, runs of 8 requests")
+    plot("p3_lockstep", lines, "P3: 8 ranks, runs of 8 requests", directory=directory)
 
 
 if __name__ == "__main__":

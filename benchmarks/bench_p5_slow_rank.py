@@ -23,6 +23,7 @@ import argparse
 import random
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -131,6 +132,7 @@ def main() -> None:
         return median([len(times) / wall for times, wall in m[group][policy]])
 
     sp, ll, rr = POLICIES
+    plotted = {"slow": {policy: [times for times, _ in m["slow"][policy]] for policy in POLICIES}}
     c = f"concurrency {args.concurrency}, {requests} requests of 8-64 tokens, median of {rounds}"
     save(
         "p5_slow_rank",
@@ -161,16 +163,35 @@ def main() -> None:
                 f"({rate('even', sp):.0f} vs {rate('even', ll):.0f}); {c}",
             ),
         ],
+        plotted,
     )
+    draw(plotted)
 
-    def draw(ax: Any) -> None:
-        for policy in POLICIES:
-            xs = sorted(t * 1e3 for times, _ in m["slow"][policy] for t in times)
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=policy)
+
+P5_LABELS = {
+    "speed": "speed-aware routing (the default)",
+    "least-loaded": "least-loaded routing",
+    "round-robin": "round-robin",
+}
+
+
+def draw(extra: dict[str, Any], directory: Path | None = None) -> None:
+    """plots/p5_slow_rank.png from the saved results' `slow`: each policy's completion
+    times (s) in each round, one rank three times slower."""
+
+    def lines(ax: Any) -> None:
+        for policy, label in P5_LABELS.items():
+            xs = sorted(t * 1e3 for times in extra["slow"][policy] for t in times)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
         ax.set_xlabel("completion time, ms")
         ax.set_ylabel("fraction of requests")
 
-    plot("p5_slow_rank", draw, "P5: completion times, rank 1 three times slower")
+    plot(
+        "p5_slow_rank",
+        lines,
+        "P5: completion times, rank 1 three times slower",
+        directory=directory,
+    )
 
 
 if __name__ == "__main__":

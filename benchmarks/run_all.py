@@ -5,8 +5,9 @@
 (`python3 dev.py bench` does this in the project's virtualenv, with the `bench` extra.)
 Each script runs in a process of its own and saves its rows under benchmarks/results/;
 this collects them into a markdown table (one row per figure of the performance issue:
-the ratio, its target, whether it is met, and the absolute numbers behind it) and lists
-the plots.
+the ratio, its target, whether it is met, and the absolute numbers behind it), draws the
+plots made from the table's rows (`replot.py`: the gateway against its peers, liveness)
+and lists the plots.
 
 Only a full run in which every script succeeded (or `--table-only`) writes the tracked
 benchmarks/RESULTS.md. `--quick` runs short versions, for a smoke test (their figures
@@ -28,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import replot  # noqa: E402
 from _harness import OUTPUTS, PLOTS, RESULTS, Row  # noqa: E402
 
 SCRIPTS = [
@@ -130,6 +132,7 @@ def table(quick: bool, out: Path) -> str:
         )
     for section in sections:
         lines += ["", section]
+    replot.from_rows({key: row["context"] for key, row in rows.items()}, PLOTS)
     plots = sorted(PLOTS.glob("*.png"))
     links = [f"[{p.name}]({Path(os.path.relpath(p, out.parent)).as_posix()})" for p in plots]
     lines += ["", "Plots: " + ", ".join(links), ""]

@@ -15,6 +15,15 @@ the limit is put around the test function itself, at collection time (the wrappe
 replaces `item.obj` before pytest-trio wraps that in its runner). It covers the test's
 body, not the setup and teardown of its async fixtures.
 
+Parallel runs: ``python3 dev.py check`` runs the suite on pytest-xdist workers (one a
+core, ``--dist loadfile``: each file in one worker, in its order). Tests are isolated
+by construction: ipc URLs under ``tmp_path`` (per test, per worker), TCP ports picked
+by the OS (port 0), no shared files. A test that must have the machine to itself (it
+starts many processes, or lowers its own descriptor limit and floods it) is marked
+``@pytest.mark.serial``: under xdist it waits until every running test has ended, and
+no test starts while it runs (`_MachineShare`, a reader-writer lock on a file that the
+workers share). Without xdist the marker does nothing.
+
 Optional extras: a test module that cannot be imported because a package of one of
 zmqdp's extras (pyproject.toml's ``[project.optional-dependencies]``: ``gateway``,
 ``vllm``, ``demo``, ``bench``) is not installed is *skipped*, with a reason naming the
@@ -28,14 +37,15 @@ inside trio loses its reason).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import re
 import tomllib
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import trio
@@ -69,6 +79,60 @@ def pytest_configure(config: pytest.Config) -> None:
         "timeout_s(seconds): the absolute time limit of an async test, enforced with "
         f"trio.fail_after (default {DEFAULT_TIMEOUT_S:g} s)",
     )
+    config.addinivalue_line(
+        "markers",
+        "serial: under pytest-xdist, the test runs while no other test does (it needs the "
+        "machine to itself)",
+    )
+
+
+class _MachineShare:
+    """A reader-writer lock over the xdist workers of one run: every test holds it
+    shared, a `serial` test exclusively. A second lock, the gate, gives the exclusive
+    side priority: a waiting `serial` test holds the gate, so that no test starts
+    before it has run (the other worker would otherwise keep the lock shared, one test
+    after another). Both are `flock`s on files in the run's shared temporary root,
+    which pytest removes with the rest of its old temporary directories."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self._gate: IO[bytes] = open(root / "zmqdp-serial-gate.lock", "ab")  # noqa: SIM115
+        self._machine: IO[bytes] = open(root / "zmqdp-machine.lock", "ab")  # noqa: SIM115
+
+    @contextlib.contextmanager
+    def hold(self, alone: bool) -> Iterator[None]:
+        import fcntl
+
+        if alone:
+            fcntl.flock(self._gate, fcntl.LOCK_EX)
+            fcntl.flock(self._machine, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(self._gate, fcntl.LOCK_SH)
+            fcntl.flock(self._machine, fcntl.LOCK_SH)
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._machine, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+
+
+_share: _MachineShare | None = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    """Under xdist (a worker's basetemp is `<the run's root>/popen-gwN`), set-up, call
+    and teardown of each test hold `_MachineShare`: exclusively for a `serial` test."""
+    global _share
+    basetemp = item.config.option.basetemp
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not basetemp or os.name != "posix":
+        return (yield)
+    if _share is None:
+        _share = _MachineShare(Path(basetemp).parent)
+    with _share.hold(alone=item.get_closest_marker("serial") is not None):
+        return (yield)
 
 
 def _under_time_limit(

@@ -37,6 +37,38 @@ def test_every_benchmark_runs_and_reports_its_rows(tmp_path: Path) -> None:
     for row in rows:
         assert f"| {row} |" in text and f"| {row} | (not run)" not in text, row
     assert len(list((tmp_path / "plots").glob("*.png"))) >= 5
+    assert (tmp_path / "plots" / "liveness.png").exists()  # drawn from the table's L rows
+    # every benchmark's plot can be drawn again from what its run saved
+    replots = tmp_path / "replots"
+    results = ["--results", str(tmp_path / "results"), "--plots", str(replots)]
+    again = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "replot.py"), "--table", str(out), *results],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    drawn = {p.name for p in replots.glob("*.png")}
+    for name in ("p1_delivery", "p3_lockstep", "p5_slow_rank", "latency_cdf", "liveness"):
+        assert f"{name}.png" in drawn, (name, again.stdout)
+
+
+def test_the_comparison_plots_come_from_the_tracked_table(tmp_path: Path) -> None:
+    """plots/gateway_vs_peers.png and plots/liveness.png need no results file: every S, V
+    and R row of benchmarks/RESULTS.md gives both figures of both sides."""
+    pytest.importorskip("matplotlib", reason="the bench extra: pip install -e '.[bench]'")
+    _load("_harness")
+    replot = _load("replot")
+    rows = replot.table_rows(BENCHMARKS / "RESULTS.md")
+    found = replot.peer_figures(rows)
+    # 3 peers x 2 concurrencies x 2 modes x zmqdp's 2 servers, each with tokens/s and CPU
+    assert len(found) == 24, sorted(found)
+    assert found["S", 256, "", "t"] == {"tok_s": (29539, 37145), "cpu_us": (34.0, 23.4)}
+    assert found["R", 256, "j", "a"] == {"tok_s": (40532, 35778), "cpu_us": (20, 9)}
+    assert replot.gateway_vs_peers(rows, tmp_path) == tmp_path / "gateway_vs_peers.png"
+    assert replot.liveness(rows, tmp_path) == tmp_path / "liveness.png"
+    assert replot.gateway_vs_peers({}, tmp_path / "none") is None  # no rows, no plot
 
 
 def _load(name: str) -> Any:

@@ -6,10 +6,17 @@ not set its handle yet: `test_start_wave_wakes_the_whole_group` once failed on a
 machine with ``assert self.engine is not None`` for that reason. The tests below make
 that window as wide as it can be, deterministically: each engine's task resumes from
 `connect_engine` only after the group is up.
+
+Under pytest-xdist, a test marked `serial` holds conftest.py's machine lock alone, and
+every other test holds it shared (checked in a small suite run on two workers).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -84,3 +91,56 @@ async def test_emit_waits_for_the_handle_of_an_engine_started_by_hand(
             await wait_ready(engines)
             assert all(e.engine is not None for e in engines)
         nursery.cancel_scope.cancel()
+
+
+_LOCK_PROBE = """
+import fcntl
+from pathlib import Path
+
+import pytest
+
+
+def taken(request, mode):
+    \"\"\"Whether the machine lock cannot be taken in `mode` from a new descriptor.\"\"\"
+    root = Path(request.config.option.basetemp).parent
+    with open(root / "zmqdp-machine.lock", "ab") as f:
+        try:
+            fcntl.flock(f, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+@pytest.mark.serial
+def test_serial(request):
+    assert taken(request, fcntl.LOCK_SH), "a serial test must hold the lock alone"
+
+
+def test_ordinary(request):
+    assert taken(request, fcntl.LOCK_EX), "an ordinary test must hold the lock shared"
+    assert not taken(request, fcntl.LOCK_SH), "... and let the others share it"
+"""
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("xdist") is None or os.name != "posix",
+    reason="pytest-xdist (the test extra) on a POSIX system",
+)
+def test_a_serial_test_holds_the_machine_alone_under_xdist(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(root)!r})\n"
+        "from tests.conftest import pytest_configure, pytest_runtest_protocol  # noqa: F401\n"
+    )
+    (tmp_path / "test_probe.py").write_text(_LOCK_PROBE)
+    xdist = ["-n", "2", "--basetemp", str(tmp_path / "base")]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist, "test_probe.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "2 passed" in run.stdout, run.stdout[-3000:]
