@@ -193,7 +193,12 @@ def test_uvicorn_root_path_routes_below_the_prefix() -> None:
             assert answer.json()["data"][0]["id"] == "tiny"
             missing = await client.get("/v2/models")
             assert missing.status_code == 404
-            assert "'/llm/v2/models'" in missing.json()["error"]["message"]
+            said = missing.json()["error"]["message"]
+            assert said == "no route '/v2/models' below the root path '/llm'"
+            # the prefix sent anyway (the proxy strips it): not '/llm/llm/v1/models'
+            twice = await client.get("/llm/v1/models")
+            said = twice.json()["error"]["message"]
+            assert said == "no route '/llm/v1/models' below the root path '/llm'"
 
     run_limited(asyncio.run, main)
 
