@@ -167,3 +167,13 @@ def test_zmqdp_has_no_undocumented_public_name_and_one_removed_fails(tmp_path: P
         "zmqdp.keys.load_client_keys: function without a docstring",
     ]
     assert "3 public names without a docstring" in broken.stderr
+
+
+def test_without_pdoc_it_says_which_extra_has_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A venv of the quick start's extras has no pdoc: one line, not a traceback."""
+    monkeypatch.setitem(sys.modules, "pdoc", None)  # `import pdoc` now fails
+    assert apidoc.main(["--check"]) == 2
+    err = capsys.readouterr().err
+    assert "pdoc is not installed" in err and "'.[dev]'" in err

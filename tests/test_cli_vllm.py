@@ -119,6 +119,29 @@ def test_model_flags_without_vllm_say_so(flags: list[str]) -> None:
         serve.app_from_args(parse("--mock", *flags))
 
 
+def test_mock_with_vllm_is_refused_not_served_natively() -> None:
+    """`serve --vllm zmqdp-mock --mock` ran zmqdp's native mock, --vllm ignored."""
+    with pytest.raises(SystemExit, match="--mock runs zmqdp's own mock engines") as caught:
+        serve.app_from_args(parse("--mock", "--vllm", str(MODEL)))
+    assert "zmqdp mock --wire vllm" in str(caught.value)
+
+
+def test_moe_without_vllm_says_so() -> None:
+    with pytest.raises(SystemExit, match="--moe is for vLLM engines"):
+        serve.app_from_args(parse("--mock", "--moe"))
+
+
+def test_a_flag_error_comes_before_a_busy_port(capsys: pytest.CaptureFixture[str]) -> None:
+    """Fixing the port first only to be told next that the flags were wrong: no."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args = parse("--mock", "--tokenizer", "T", "--port", str(busy.getsockname()[1]))
+        with pytest.raises(SystemExit, match="--tokenizer is for vLLM engines"):
+            serve.run(args)
+    assert "in use" not in capsys.readouterr().err
+
+
 def test_model_flags_reach_the_frontend(tmp_path: Path) -> None:
     template = tmp_path / "t.jinja"
     template.write_text("<{{ messages[0]['content'] }}>")
@@ -259,3 +282,20 @@ def test_the_native_wire_progress_says_how_to_start_a_mock() -> None:
     assert serve.start_command(args) == (
         "python -m zmqdp mock --url ipc:///run/user/1/zmqdp/g --engines 2 --keys K"
     )
+
+
+def test_the_progress_for_the_shipped_mock_model_also_names_the_fake_engines() -> None:
+    """`serve --vllm zmqdp-mock` started first: the newcomer has no vLLM to start."""
+    args = parse("--vllm", "zmqdp-mock", "--url", "tcp://127.0.0.1:29553", "-dp", "2", "--moe")
+    said = serve.start_command(args)
+    assert said.startswith("vllm serve zmqdp-mock --headless --data-parallel-size 2 ")
+    assert "zmqdp mock --wire vllm --url tcp://127.0.0.1:29553 --engines 2 --moe)" in said
+    other = parse("--vllm", str(MODEL), "--url", "tcp://127.0.0.1:29553", "-dp", "2")
+    assert "zmqdp mock" not in serve.start_command(other)
+
+
+def test_the_banner_shows_where_the_api_key_goes_not_the_key() -> None:
+    args = parse("--mock", "--api-key", "s3cret")
+    said = serve.banner("http://127.0.0.1:8000", "uvicorn", serve.app_from_args(args))
+    assert "curl http://127.0.0.1:8000/v1/completions -H 'Authorization: Bearer KEY' -d" in said
+    assert "s3cret" not in said

@@ -10,6 +10,7 @@ measure, not a timed assertion's.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from importlib.util import find_spec
@@ -193,3 +194,26 @@ def test_heartbeat_options_no_group_could_use_are_refused(options: dict[str, Any
 
     with pytest.raises(ValueError, match="heartbeat_"):
         ConnectOptions(**options)
+
+
+@pytest.mark.timeout_s(60)
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_killed_engine_is_logged_once_and_not_as_alive(
+    tmp_path: Path, wire: Wire, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its input connection's close came first, then its output's, which was logged as
+    "its output connection closed while the engine lives" after the process was gone."""
+    url = wire.url(tmp_path)
+    async with ranks(wire, url, 2) as procs, wire.connect(url, 2, **HEARTBEAT) as group:
+        await finish(group, wire.request("warm", 3, rank=1))
+        caplog.clear()
+        procs[1].kill()
+        await down(group, 1)
+        with trio.fail_after(BOUND):  # the last report of the kill, if any, is logged
+            await finish(group, wire.request("after", 3, rank=0))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    said = [line for line in said if line.startswith("rank 1: ")]
+    assert not any("while the engine lives" in line for line in said), said
+    dead = [line for line in said if line.startswith("rank 1: dead: ")]
+    assert len(dead) == 1 and "connection closed" in dead[0], said
+    assert len(said) <= 2, said  # the transport's report, once, and the group's verdict

@@ -234,6 +234,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="check docstrings, write no HTML")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "api")
     args = parser.parse_args(argv)
+    try:
+        import pdoc  # noqa: F401
+    except ModuleNotFoundError:  # e.g. a venv of the gateway extra only
+        print(
+            "apidoc: pdoc is not installed: it is in the dev extra "
+            "(pip install -e '.[dev]'; python3 dev.py check sets up a .venv with it)",
+            file=sys.stderr,
+        )
+        return 2
     names = modules()
     missing = list(undocumented(names))
     for line in missing:

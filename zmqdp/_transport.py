@@ -339,6 +339,8 @@ class TransportBase:
         (its close is reported as that incarnation's)."""
         self._lost_counted: dict[int, int | None] = {}
         """Rank -> the incarnation whose loss `connections_lost` counted last."""
+        self._lost_logged: dict[int, int | None] = {}
+        """Rank -> the incarnation whose loss was logged last (once each)."""
         self._output_epochs: dict[int, int | None] = {}
         """Rank -> the incarnation its output connections belong to (set as each new
         incarnation begins on the output socket)."""
@@ -450,9 +452,18 @@ class TransportBase:
                 "nothing, not even a heartbeat, for "
                 f"heartbeat_timeout={self.heartbeat_timeout:g} s"
             )
-        log.warning("rank %d: %s", rank, cause)
         self._lost(rank, incarnation)
-        if not self.listener.connection_lost(rank, incarnation, cause, grace):
+        judged = self.listener.connection_lost(rank, incarnation, cause, grace)
+        # A group judges the death and logs it once ("rank N: dead: <cause>"). Here,
+        # one line per incarnation, of a plain report: one with a grace may be
+        # superseded (an engine killed: the output's close can come first, when the
+        # engine still seems alive), and a repeat is its other connections'.
+        plain = not grace and self._lost_logged.get(rank, -1) != incarnation
+        if plain:
+            self._lost_logged[rank] = incarnation
+        level = logging.WARNING if plain or not judged else logging.DEBUG
+        log.log(level, "rank %d: %s", rank, cause)
+        if not judged:
             self.forget(rank, epoch=incarnation)
 
     def _lost(self, rank: int, incarnation: int | None) -> None:

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import inspect
 import math
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypedDict, TypeVar
@@ -453,9 +454,12 @@ def with_connect_options(fn: F, defaults: Mapping[str, Any] | None = None) -> F:
     params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
     keyword = inspect.Parameter.KEYWORD_ONLY
     defaults = defaults or {}
+    # Evaluated here: a string would be read in `fn`'s module (pdoc does), which need
+    # not import what the fields' annotations name (`Literal`).
+    hints = typing.get_type_hints(ConnectOptions)
     params += [
         inspect.Parameter(
-            f.name, keyword, default=defaults.get(f.name, f.default), annotation=f.type
+            f.name, keyword, default=defaults.get(f.name, f.default), annotation=hints[f.name]
         )
         for f in dataclasses.fields(ConnectOptions)
     ]

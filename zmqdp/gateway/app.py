@@ -463,9 +463,7 @@ class GatewayApp:
             await self._error(
                 send,
                 "other",
-                HTTPError(
-                    404, "invalid_request_error", "not_found", f"no route {scope['path'][:100]!r}"
-                ),
+                HTTPError(404, "invalid_request_error", "not_found", _no_route(scope, path)),
             )
             return
         name, method, handler = route
@@ -676,6 +674,14 @@ class GatewayApp:
 with_connect_options(
     create_app, defaults={"max_buffered": DEFAULT_MAX_BUFFERED, "recover": True}
 )  # help(create_app) lists connect's options, with the defaults it gives them
+
+
+def _no_route(scope: Scope, path: str) -> str:
+    """A 404's message: the path routed on, and the prefix taken off it (a proxy in front
+    strips it, so a request that still has it is below it twice)."""
+    root: str = scope.get("root_path") or ""
+    below = f" below the root path {root[:100]!r}" if root else ""
+    return f"no route {path[:100]!r}{below}"
 
 
 def _route_path(scope: Scope) -> str:

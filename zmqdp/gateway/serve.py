@@ -406,6 +406,17 @@ def _vllm_only(args: argparse.Namespace) -> str | None:
 def app_from_args(args: argparse.Namespace) -> GatewayApp:
     from ..mock import MockConfig
 
+    if args.mock and args.vllm is not None:
+        raise SystemExit(
+            "zmqdp serve: --mock runs zmqdp's own mock engines (its native wire), --vllm "
+            "fronts vLLM engines: give one. For fake vLLM engines, run `zmqdp mock --wire "
+            "vllm` and the `zmqdp serve --vllm ...` command it prints"
+        )
+    if args.moe and args.vllm is None:
+        raise SystemExit(
+            "zmqdp serve: --moe is for vLLM engines (--vllm MODEL_DIR); zmqdp's own "
+            "engines say whether they step together (with --mock: --lockstep)"
+        )
     if args.vllm is None and (flag := _vllm_only(args)) is not None:
         raise SystemExit(
             f"zmqdp serve: {flag} is for vLLM engines (--vllm MODEL_DIR): the native wire "
@@ -492,9 +503,11 @@ def banner(url: str, server: str, app: GatewayApp) -> str:
     """What `serve` prints once it listens: the URL and a request to try."""
     group = app.group
     size = "" if group is None else f" over {group.size} rank(s)"
+    # the key is a secret: not printed, its place shown (a try without it is a 401)
+    auth = "" if app._bearer is None else " -H 'Authorization: Bearer KEY'"
     return (
         f"zmqdp gateway: serving{size} at {url} ({server})\n"
-        f'  try: curl {url}/v1/completions -d \'{{"prompt":"hi","max_tokens":5}}\'\n'
+        f'  try: curl {url}/v1/completions{auth} -d \'{{"prompt":"hi","max_tokens":5}}\'\n'
         f"  probes: {url}/health {url}/ready   metrics: {url}/metrics\n"
         "  SIGTERM or Ctrl-C drains (/ready 503, live requests finish), then exits"
     )
@@ -836,11 +849,20 @@ def start_command(args: argparse.Namespace) -> str:
         host, _, port = url[len("tcp://") :].rpartition(":")
         if args.advertise_host:
             host = args.advertise_host
-    return (
+    command = (
         f"vllm serve {args.vllm} --headless --data-parallel-size {args.engines} "
         "--data-parallel-size-local 1 --data-parallel-start-rank R "
         f"--data-parallel-address {host} --data-parallel-rpc-port {port}"
     )
+    from ..vllm.mock import MOCK_MODEL
+
+    if os.path.basename(args.vllm.rstrip("/")) == MOCK_MODEL:  # trying it without vLLM
+        moe = " --moe" if args.moe else ""
+        command += (
+            f" (or, without vLLM, the fake engines: zmqdp mock --wire vllm --url {url} "
+            f"--engines {args.engines}{moe})"
+        )
+    return command
 
 
 class StartupWatch(logging.Filter):
@@ -968,11 +990,11 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    app = app_from_args(args)  # the flags' errors first: they are the user's to fix
     problem = listen_problem(args.host, args.port)
     if problem is not None:  # before the group connects: one line, no traceback
         print(f"zmqdp serve: {problem}", file=sys.stderr)
         return 1
-    app = app_from_args(args)
     if args.server == "uvicorn":
         try:
             import uvicorn  # noqa: F401
