@@ -674,6 +674,39 @@ async def test_the_engines_max_model_len_is_the_limit_and_max_tokens_is_clamped(
     assert maxes == [54, 16]
 
 
+async def test_a_rank_restarted_with_a_shorter_max_model_len_is_checked_against_it() -> None:
+    """The engines' length is learnt again when a rank comes back: rank 1 restarted
+    with ``--max-model-len 32`` under a gateway that had learnt 64 gets no prompt of 40
+    tokens, nor a max_tokens of 40 (before, the length was learnt once per group: the
+    prompt met the wire's own check, a 400 not in vLLM's words, and max_tokens=40 came
+    back a 200 cut short where vLLM answers 400)."""
+    prompt = list(range(10, 50))  # 40 tokens
+    async with (
+        vllm_group(2, fake_kw={"max_model_len": 64}, silence_timeout=10.0) as (group, fake),
+        serving(create_app(group=group, frontend=frontend())) as client,
+    ):
+        before = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+        assert before.status_code == 200, before.text
+        fake.engines[1].vanish()
+        again = fake.restart(1)
+        again.max_model_len = 32
+        assert fake.nursery is not None
+        fake.nursery.start_soon(again.run)
+        await wait_until(lambda: group.engines[1].info.get("max_model_len") == 32)
+        after = await client.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 4},
+            headers={"X-Data-Parallel-Rank": "1"},
+        )
+        too_many = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 40})
+        assert not again.got("add")
+    assert too_many.status_code == 400, too_many.text  # (before: a 200 cut at 32 tokens)
+    assert too_many.json()["error"]["param"] == "max_tokens"
+    assert after.status_code == 400, after.text
+    assert after.json()["error"]["param"] == "input_tokens", after.text
+    assert "maximum context length is 32 tokens" in after.json()["error"]["message"]
+
+
 def test_max_model_len_given_and_learned_takes_the_least() -> None:
     d = VllmFrontend(MODEL, max_model_len=100)
     assert d.max_prompt_tokens == 100

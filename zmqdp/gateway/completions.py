@@ -177,7 +177,7 @@ class CompletionSettings:
     max_collected_chars: int | None = None
     """The most characters of text a non-streaming answer may collect (None: no limit)."""
     engines_seen: list[object] = dataclasses.field(default_factory=lambda: [None])
-    """[the group whose ranks' info the frontend was told] (`_learn_engines`)."""
+    """[the group whose ranks' info the frontend was told last] (`_learn_engines`)."""
 
 
 def _rank(scope: Scope) -> int | None:
@@ -294,8 +294,9 @@ def _parse(
 
 def _learn_engines(settings: CompletionSettings, group: GroupLike) -> None:
     """Tell a frontend that wants it (`learn_engines`: vLLM's, for the engines'
-    ``max_model_len``) the ranks' handshake info, once per group: the first request
-    after the group is up (every rank is, then)."""
+    ``max_model_len``) the handshake info of the ranks up now, at every request: a rank
+    that restarts with another ``--max-model-len`` changes the limit (learnt once per
+    group, a shorter one went unseen: its prompts met only the wire's own check)."""
     learn = getattr(settings.frontend, "learn_engines", None)
     engines = getattr(group, "engines", None)
     if learn is not None and engines is not None:
@@ -392,7 +393,7 @@ async def handle_completion(
                 )
             rank = _rank(scope)
             _check_collected(request, settings)
-            if group is not None and settings.engines_seen[0] is not group:
+            if group is not None:
                 _learn_engines(settings, group)
             work = functools.partial(_prepare, settings.frontend, request, messages, request_id)
             if getattr(settings.frontend, "threaded", False) and len(body) > INLINE_PREPARE:
