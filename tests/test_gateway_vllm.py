@@ -722,7 +722,9 @@ async def test_generation_config_defaults_apply_as_vllm_applies_them(
 ) -> None:
     """The model's generation_config.json: temperature, top_k and max_new_tokens (a
     chat's default max_tokens) are defaults under a request's own fields; top_p at
-    Hugging Face's default (1.0) is no default; "vllm" takes none."""
+    Hugging Face's default (1.0) is no default; "vllm" takes none. A folder's
+    max_new_tokens caps every request, as vLLM's `override_max_tokens` (before, it was
+    only a default)."""
     config = json.dumps(
         {"eos_token_id": 0, "temperature": 0.3, "top_k": 7, "top_p": 1.0, "max_new_tokens": 9}
     )
@@ -745,8 +747,12 @@ async def test_generation_config_defaults_apply_as_vllm_applies_them(
         own = await client.post(
             "/v1/chat/completions", json={**chat, "temperature": 0.9, "max_tokens": 3}
         )
-    assert plain.status_code == own.status_code == 200, plain.text
-    first, second = (a[3] for a in fake.engines[0].got("add"))
+        long = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
+    assert plain.status_code == own.status_code == long.status_code == 200, plain.text
+    first, second, third = (a[3] for a in fake.engines[0].got("add"))
+    # vLLM: a folder's max_new_tokens also caps every request's own max_tokens
+    # (`override_max_tokens`); the model's own ("auto") only stands in for a missing one
+    assert third["max_tokens"] == (9 if source == "folder" else 20)
     if source == "vllm":
         # (fields at vLLM's neutral values are left out of the encoded params)
         assert first.get("top_k", 0) in (0, -1) and first.get("temperature", 1.0) == 1.0

@@ -222,7 +222,8 @@ class VllmFrontend:
       (default: `model_dir`);
     * `chat_template`: a template replacing the tokenizer's (`load_chat_template`);
     * `generation_config`: where the sampling defaults come from (`generation_defaults`):
-      a request's own fields win, then these, then vLLM's neutral values."""
+      a request's own fields win, then these, then vLLM's neutral values; a folder's
+      ``max_new_tokens`` caps every request (`override_max_tokens`), as in vLLM."""
 
     fields = FIELDS
     threaded = True
@@ -252,6 +253,14 @@ class VllmFrontend:
         tokenizer_config = _read_json(words / "tokenizer_config.json")
         self.sampling_defaults: dict[str, Any] = generation_defaults(generation_config, directory)
         """The model's sampling defaults, as vLLM applies them (`generation_defaults`)."""
+        cap = self.sampling_defaults.get("max_tokens")
+        self.override_max_tokens: int | None = (
+            cap
+            if generation_config not in GENERATION_CONFIG and type(cap) is int and cap > 0
+            else None
+        )
+        """A folder's ``max_new_tokens``: vLLM's `override_max_tokens`, a cap on every
+        request's `max_tokens` (the model's own, "auto", is only a default)."""
         self.configured_max_model_len: int | None = None
         """The length from the flag or the model's config, before the engines' (`learn_engines`)."""
         eos = _first_int(generation.get("eos_token_id"))
@@ -437,6 +446,8 @@ class VllmFrontend:
                     "tokens. Please reduce the length of the input prompt.",
                     "input_tokens",
                 )
+        if self.override_max_tokens is not None:  # (vLLM's get_max_tokens: the least)
+            max_tokens = min(max_tokens, self.override_max_tokens)
         if isinstance(prompt, str):
             ids: list[int] = encoding.ids
         else:
