@@ -8,6 +8,7 @@ engines' events, prefill stats and scheduler stats (tests/fakes/vllm.py)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import types
 from pathlib import Path
@@ -273,6 +274,31 @@ def test_an_aborted_request_is_forgotten_and_junk_stats_count_as_absent() -> Non
     r = stats.rank(1)
     assert (r.reports, r.running, r.kv_cache_usage, r.prefix_cache_queries) == (1, 0, 0.0, 0)
     assert r.generation_tokens == 1 and set(stats._requests) == {"c"}
+
+
+def test_an_engines_junk_clock_never_makes_a_histogram_sum_go_down() -> None:
+    """Timestamps from a hostile or broken engine (a clock that goes back, NaN, an
+    event after the output it precedes) make no negative or NaN observation: each
+    histogram's sum is a Prometheus counter, and before, an inter-token latency of
+    -4 s made it go down (a counter reset to every dashboard) and NaN poisoned it."""
+    stats = EngineStats(max_model_len=100)
+    stats.add("a")
+    nan = float("nan")
+    r = stats.rank(0)
+    histograms = [v for v in vars(r).values() if hasattr(v, "snapshot")]
+    steps: list[tuple[Any, Any]] = [
+        (5.0, _out("a", 1, events=[{"type": 1, "timestamp": 9.0}, {"type": 2, "timestamp": nan}])),
+        (1.0, _out("a", 1)),  # the clock went back
+        (nan, _out("a", 1)),
+        (float("inf"), _out("a", 1, finish=0, events=[{"type": 2, "timestamp": 7.0}])),
+    ]
+    sums = [0.0] * len(histograms)
+    for timestamp, output in steps:
+        stats.step(0, timestamp, [output], None)
+        now = [h.snapshot().sum for h in histograms]
+        assert all(math.isfinite(x) and x >= before for x, before in zip(now, sums, strict=True))
+        sums = now
+    assert r.queue_time.snapshot().count == 1 and r.inter_token_latency.snapshot().count == 3
 
 
 def test_real_engines_reports_decode_into_vllms_values() -> None:
