@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core.messages import Output
-from .frontend import CompletionRequest, Piece, Prepared, decode_each
+from .frontend import CompletionRequest, Piece, Prepared, decode_each, first_stop
 
 __all__ = [
     "FIELDS",
@@ -630,14 +630,4 @@ class _Decoder:
         return Piece("".join(parts), tokens, None)
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[str, int] | None:
-    """The stop string found in `text` that ends first (ties: the first in the list),
-    and where it starts: vLLM's choice (`check_stop_strings`), so `stop_reason` names
-    the string vLLM would."""
-    best: tuple[str, int] | None = None
-    best_end = len(text) + 1
-    for stop in stops:
-        at = text.find(stop)
-        if at >= 0 and at + len(stop) < best_end:
-            best, best_end = (stop, at), at + len(stop)
-    return best
+_first_stop = first_stop  # (the mock's too: frontend.py)
