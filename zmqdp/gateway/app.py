@@ -255,7 +255,9 @@ class GatewayApp:
         self._drain_grace: float = kw["drain_grace"]
         self._connect_options: dict[str, Any] = kw["connect_options"]
         key: str | None = kw["api_key"]
-        self._bearer = None if key is None else b"Bearer " + key.encode()
+        self._bearer = None if key is None else key.encode()
+        """The API key's bytes: ``Authorization: Bearer <key>``, the scheme in any case
+        (RFC 7235, and vLLM's check)."""
         self._backend: Backend | None = None
         self._drain_asked = False
         self._stop_asked = False
@@ -460,7 +462,10 @@ class GatewayApp:
             route = ("models", "GET", self._model)
         if route is not None and self._bearer is not None and path.startswith("/v1/"):
             given = header(scope, b"authorization") or b""
-            if not hmac.compare_digest(given.strip(), self._bearer):
+            scheme, _, token = given.strip().partition(b" ")
+            if not (
+                hmac.compare_digest(token.strip(), self._bearer) and scheme.lower() == b"bearer"
+            ):
                 await self._error(
                     send,
                     route[0],
