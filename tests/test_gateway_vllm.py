@@ -473,6 +473,29 @@ def test_stop_strings_wait_for_min_tokens() -> None:
     assert all(p.finish_reason is None for p in pieces[:6]) and text.startswith("yz{")
 
 
+@pytest.mark.parametrize(
+    ("stop", "min_tokens", "cuts"),
+    [("z", 2, [1] * 4), ("yz", 2, [1] * 4), ("yz", 2, [2, 2]), ("z{", 1, [3, 1])],
+)
+def test_a_stop_string_within_min_tokens_never_stops_as_in_vllm(
+    stop: str, min_tokens: int, cuts: list[int]
+) -> None:
+    """vLLM's detokenizer looks for stop strings once more than `min_tokens` tokens
+    are out, and only for one that ends in the text of those past it: "yz{|" with
+    min_tokens 2 never stops on "z" nor "yz", and with min_tokens 1 it stops on "z{"
+    (which ends in the third token). Before, the gateway also stopped at exactly
+    `min_tokens` tokens, and on a string lying in the text `min_tokens` covered."""
+    d = frontend()
+    decoder = _Decoder(d.model.tokenizer, (stop,), [91], min_tokens)
+    ids = iter(range(92, 96))
+    outputs = [Output("r", VllmOutput([next(ids) for _ in range(n)]), None) for n in cuts]
+    piece = decode_each(decoder.decode, outputs)
+    if stop == "z{":
+        assert (piece.text, piece.finish_reason, piece.stop_reason) == ("y", "stop", "z{")
+    else:
+        assert piece.finish_reason is None and piece.text + decoder._held == "yz{|"
+
+
 def test_hugging_face_template_conventions(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()

@@ -304,14 +304,15 @@ class _MockDecode:
 _MOCK_DECODE = _MockDecode()
 
 
-def first_stop(text: str, stops: Sequence[str]) -> tuple[str, int] | None:
+def first_stop(text: str, stops: Sequence[str], floor: int = 0) -> tuple[str, int] | None:
     """The stop string found in `text` that ends first (ties: the first in the list),
     and where it starts: vLLM's choice (`check_stop_strings`), so the text and
-    `stop_reason` are those vLLM would give."""
+    `stop_reason` are those vLLM would give. Only a string ending past `floor` counts
+    (vLLM searches the new text, and what `min_tokens` covers is never searched)."""
     best: tuple[str, int] | None = None
     best_end = len(text) + 1
     for stop in stops:
-        at = text.find(stop)
+        at = text.find(stop, max(0, floor - len(stop) + 1))
         if at >= 0 and at + len(stop) < best_end:
             best, best_end = (stop, at), at + len(stop)
     return best

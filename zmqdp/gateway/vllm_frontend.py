@@ -24,7 +24,9 @@ frontend's (vLLM's `InputProcessor` and `OutputProcessor`). Here, per request:
    ``finish_reason="stop"`` and, as vLLM, ``stop_reason`` the string (of several found,
    the one that ends first); an engine's stop on a `stop_token_ids` id has that id as
    its ``stop_reason``, EOS none: the gateway ends the response there and aborts the
-   request on its rank. The engine's own finish releases what was held back.
+   request on its rank. The engine's own finish releases what was held back. With
+   `min_tokens`, as vLLM, only once more than that many tokens are out, and only a
+   stop string that ends in the text of the tokens past them.
 
 `usage.completion_tokens` counts the engine's tokens (those after a stop string
 included, up to the output that completed it).
@@ -569,7 +571,17 @@ class _Decoder:
         finish = output.finish
         # An engine's "stop" is its EOS or a stop token id: vLLM's detokenizer leaves
         # that last token's text out (`include_stop_str_in_output` false), and so do we.
-        for t in ids[:-1] if finish == "stop" else ids:  # (a plain loop: `step` of a
+        texts = ids[:-1] if finish == "stop" else ids
+        before = self._before if self._stops else 0
+        pre = 0  # characters of this output's text within `min_tokens`
+        if 0 < before < len(ids):  # `min_tokens` ends inside this output
+            for t in texts[:before]:
+                piece = step(tokenizer, t)
+                if piece is not None:
+                    parts.append(piece)
+            pre = sum(map(len, parts))
+            texts = texts[before:]
+        for t in texts:  # (a plain loop: `step` of a
             piece = step(tokenizer, t)  # list holds back text it would not)
             if piece is not None:
                 parts.append(piece)
@@ -582,8 +594,8 @@ class _Decoder:
             )
         held = self._held + text
         self._before -= len(ids)
-        if self._before <= 0:
-            match = _first_stop(held, self._stops)
+        if self._before < 0:  # vLLM: past `min_tokens`, a stop string ending in new text
+            match = _first_stop(held, self._stops, len(self._held) + pre)
             if match is not None:
                 self._held = ""
                 return Piece(held[: match[1]], len(ids), "stop", match[0])
