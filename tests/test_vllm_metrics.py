@@ -215,6 +215,24 @@ async def test_the_values_are_counted_as_vllms_frontend_counts_them() -> None:
     }
 
 
+async def test_params_max_tokens_is_the_max_tokens_the_engine_got() -> None:
+    """`vllm:request_params_max_tokens` observes the request's `max_tokens` as vLLM's
+    frontend sent it to the engine (lowered to the room the prompt leaves), not the
+    client's: 10 prompt tokens and max_tokens 60 with engines of 64 observe 54 (before,
+    60; and a chat that gives none observed the gateway's placeholder of 4096)."""
+    async with vllm_group(1, fake_kw={"max_model_len": 64}) as (group, fake):
+        app = create_app(
+            group=group, frontend=VllmFrontend(MODEL), model="tiny", vllm_metric_names=True
+        )
+        async with serving(app) as client:
+            body = {"prompt": list(range(10, 20)), "max_tokens": 60}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            metrics = Metrics((await client.get("/metrics")).text)
+    assert [a[3]["max_tokens"] for a in fake.engines[0].got("add")] == [54]
+    assert _total(metrics, "vllm:request_params_max_tokens", "_sum") == 54
+
+
 def _out(
     rid: str, tokens: int, finish: int | None = None, events: Any = None, prefill: Any = None
 ) -> Any:

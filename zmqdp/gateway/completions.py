@@ -485,6 +485,8 @@ class _Response:
         self.first = 0.0
         """When its first token came (`time.perf_counter`), 0.0 before."""
         self.finish: str | None = None
+        self.max_tokens = request.max_tokens
+        """The request's `max_tokens` as its engine got it (a frontend may lower it)."""
         self.created = int(time.time())
         self.arrived = time.perf_counter()
         """When the request was parsed and ready to submit (vLLM's `arrival_time`)."""
@@ -505,6 +507,10 @@ class _Response:
             if make is None
             else make(self.request_id, self.pinned)
         )
+        # vLLM's `request_params_max_tokens` is the engine's, after the frontend's clamp
+        sent = getattr(getattr(request, "sampling", None), "max_tokens", None)
+        if type(sent) is int:
+            self.max_tokens = sent
         wait = self.settings.queue_timeout
         if wait <= 0:
             return self.group.submit(request)
@@ -550,7 +556,7 @@ class _Response:
                 now,
                 rank=self.rank or 0,
                 arrived=self.arrived,
-                max_tokens=self.request.max_tokens,
+                max_tokens=self.max_tokens,
             )
 
     async def _complete(self, stream: StreamLike) -> None:
