@@ -298,6 +298,59 @@ async def test_lifespan_runs_the_gateway_on_trio_and_closes_its_group(tmp_path: 
                 pass  # pragma: no cover
 
 
+async def test_lifespan_entered_twice_at_once_runs_once() -> None:
+    """Two tasks entering `lifespan()` together: one runs the gateway, the other gets
+    the RuntimeError (before, both passed the check before either had started, and two
+    groups were connected, the first one's never closed)."""
+    gateway = create_app(mock=FAST)
+    outcomes: list[str] = []
+    release = trio.Event()
+
+    async def enter() -> None:
+        try:
+            async with gateway.lifespan():
+                outcomes.append("ran")
+                await release.wait()
+        except RuntimeError as exc:
+            outcomes.append(str(exc))
+            release.set()
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(enter)
+            nursery.start_soon(enter)
+    assert sorted(outcomes) == ["ran", "the gateway's lifespan has already run (or is running)"]
+
+
+async def test_lifespan_cancelled_by_its_host_drains_and_returns() -> None:
+    """A cancel of the host's block around `lifespan()` (here a `move_on_after`) ends
+    it: the group drained and closed, the cancel caught by its scope. Before, the
+    cancel killed the gateway's lifespan task too, and the shielded shutdown waited
+    for its reply forever (a hang no deadline could break)."""
+    gateway = create_app(mock=FAST)
+    with trio.fail_after(20):
+        with trio.CancelScope() as host:
+            async with gateway.lifespan():
+                group = gateway.group
+                assert group is not None
+                async with group.submit(Request("r", {"prompt": [1], "max_tokens": 10**6})) as s:
+                    await s.receive()
+                    host.cancel()
+                    await trio.sleep_forever()
+    assert host.cancelled_caught
+    assert group.health().live is False
+
+
+async def test_lifespan_cancelled_while_starting_returns(tmp_path: Path) -> None:
+    """A cancel while the gateway waits for ranks that never come ends the block."""
+    gateway = create_app(url=f"ipc://{tmp_path}/nobody", engines=1)
+    with trio.fail_after(20):
+        with trio.move_on_after(0.2) as host:
+            async with gateway.lifespan():
+                raise AssertionError("started")  # pragma: no cover
+    assert host.cancelled_caught
+
+
 async def test_run_mock_group_started_before_its_client_does_not_hang(tmp_path: Path) -> None:
     url = f"ipc://{tmp_path}/g"
     with trio.fail_after(20):

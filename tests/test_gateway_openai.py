@@ -116,9 +116,15 @@ async def test_an_api_key_guards_the_v1_routes_and_not_the_probes() -> None:
             "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}
         )
         health = await client.get("/health")
+        # the scheme is case-insensitive (RFC 7235; vLLM takes "bearer" too)
+        lower = await client.post(
+            "/v1/completions", json=body, headers={"Authorization": "bearer s3cret"}
+        )
+        glued = await client.post("/v1/completions", json=body, headers={"Authorization": "s3cret"})
     assert [none.status_code, wrong.status_code, models.status_code] == [401, 401, 401]
     assert error_of(none)["code"] == "invalid_api_key"
     assert right.status_code == 200 and health.status_code == 200
+    assert lower.status_code == 200 and glued.status_code == 401
 
 
 async def test_a_504_tells_the_openai_clients_not_to_retry(tmp_path: Path) -> None:

@@ -473,6 +473,29 @@ def test_stop_strings_wait_for_min_tokens() -> None:
     assert all(p.finish_reason is None for p in pieces[:6]) and text.startswith("yz{")
 
 
+@pytest.mark.parametrize(
+    ("stop", "min_tokens", "cuts"),
+    [("z", 2, [1] * 4), ("yz", 2, [1] * 4), ("yz", 2, [2, 2]), ("z{", 1, [3, 1])],
+)
+def test_a_stop_string_within_min_tokens_never_stops_as_in_vllm(
+    stop: str, min_tokens: int, cuts: list[int]
+) -> None:
+    """vLLM's detokenizer looks for stop strings once more than `min_tokens` tokens
+    are out, and only for one that ends in the text of those past it: "yz{|" with
+    min_tokens 2 never stops on "z" nor "yz", and with min_tokens 1 it stops on "z{"
+    (which ends in the third token). Before, the gateway also stopped at exactly
+    `min_tokens` tokens, and on a string lying in the text `min_tokens` covered."""
+    d = frontend()
+    decoder = _Decoder(d.model.tokenizer, (stop,), [91], min_tokens)
+    ids = iter(range(92, 96))
+    outputs = [Output("r", VllmOutput([next(ids) for _ in range(n)]), None) for n in cuts]
+    piece = decode_each(decoder.decode, outputs)
+    if stop == "z{":
+        assert (piece.text, piece.finish_reason, piece.stop_reason) == ("y", "stop", "z{")
+    else:
+        assert piece.finish_reason is None and piece.text + decoder._held == "yz{|"
+
+
 def test_hugging_face_template_conventions(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
@@ -674,6 +697,39 @@ async def test_the_engines_max_model_len_is_the_limit_and_max_tokens_is_clamped(
     assert maxes == [54, 16]
 
 
+async def test_a_rank_restarted_with_a_shorter_max_model_len_is_checked_against_it() -> None:
+    """The engines' length is learnt again when a rank comes back: rank 1 restarted
+    with ``--max-model-len 32`` under a gateway that had learnt 64 gets no prompt of 40
+    tokens, nor a max_tokens of 40 (before, the length was learnt once per group: the
+    prompt met the wire's own check, a 400 not in vLLM's words, and max_tokens=40 came
+    back a 200 cut short where vLLM answers 400)."""
+    prompt = list(range(10, 50))  # 40 tokens
+    async with (
+        vllm_group(2, fake_kw={"max_model_len": 64}, silence_timeout=10.0) as (group, fake),
+        serving(create_app(group=group, frontend=frontend())) as client,
+    ):
+        before = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+        assert before.status_code == 200, before.text
+        fake.engines[1].vanish()
+        again = fake.restart(1)
+        again.max_model_len = 32
+        assert fake.nursery is not None
+        fake.nursery.start_soon(again.run)
+        await wait_until(lambda: group.engines[1].info.get("max_model_len") == 32)
+        after = await client.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 4},
+            headers={"X-Data-Parallel-Rank": "1"},
+        )
+        too_many = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 40})
+        assert not again.got("add")
+    assert too_many.status_code == 400, too_many.text  # (before: a 200 cut at 32 tokens)
+    assert too_many.json()["error"]["param"] == "max_tokens"
+    assert after.status_code == 400, after.text
+    assert after.json()["error"]["param"] == "input_tokens", after.text
+    assert "maximum context length is 32 tokens" in after.json()["error"]["message"]
+
+
 def test_max_model_len_given_and_learned_takes_the_least() -> None:
     d = VllmFrontend(MODEL, max_model_len=100)
     assert d.max_prompt_tokens == 100
@@ -689,7 +745,9 @@ async def test_generation_config_defaults_apply_as_vllm_applies_them(
 ) -> None:
     """The model's generation_config.json: temperature, top_k and max_new_tokens (a
     chat's default max_tokens) are defaults under a request's own fields; top_p at
-    Hugging Face's default (1.0) is no default; "vllm" takes none."""
+    Hugging Face's default (1.0) is no default; "vllm" takes none. A folder's
+    max_new_tokens caps every request, as vLLM's `override_max_tokens` (before, it was
+    only a default)."""
     config = json.dumps(
         {"eos_token_id": 0, "temperature": 0.3, "top_k": 7, "top_p": 1.0, "max_new_tokens": 9}
     )
@@ -712,8 +770,12 @@ async def test_generation_config_defaults_apply_as_vllm_applies_them(
         own = await client.post(
             "/v1/chat/completions", json={**chat, "temperature": 0.9, "max_tokens": 3}
         )
-    assert plain.status_code == own.status_code == 200, plain.text
-    first, second = (a[3] for a in fake.engines[0].got("add"))
+        long = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20})
+    assert plain.status_code == own.status_code == long.status_code == 200, plain.text
+    first, second, third = (a[3] for a in fake.engines[0].got("add"))
+    # vLLM: a folder's max_new_tokens also caps every request's own max_tokens
+    # (`override_max_tokens`); the model's own ("auto") only stands in for a missing one
+    assert third["max_tokens"] == (9 if source == "folder" else 20)
     if source == "vllm":
         # (fields at vLLM's neutral values are left out of the encoded params)
         assert first.get("top_k", 0) in (0, -1) and first.get("temperature", 1.0) == 1.0

@@ -165,3 +165,17 @@ def test_the_stop_decoders_batch_equals_its_outputs_one_by_one() -> None:
         whole = _MockStopDecode(stops, ids).batch(outputs)
         assert whole == decode_each(_MockStopDecode(stops, ids), outputs)
     assert MOCK_FIELDS == MockFrontend.fields == {"temperature", "seed", "stop", "stop_token_ids"}
+
+
+def test_the_stop_string_that_ends_first_wins_and_is_the_stop_reason() -> None:
+    """Of two stop strings found, the one that ends first ends the text, as vLLM's
+    `check_stop_strings` chooses, and it is the `stop_reason`; a stop token id is its
+    own (before, the one that started first won, and `stop_reason` was None)."""
+    decode = _MockStopDecode(("t1001 t1002", "1 t"), frozenset())
+    first = decode(Output("r", {"token": 1001}, None))
+    second = decode(Output("r", {"token": 1002}, None))  # " t1001 t1002": both found
+    assert first.text + second.text == " t100"
+    assert (second.finish_reason, second.stop_reason) == ("stop", "1 t")
+    by_id = _MockStopDecode((), frozenset({1002}))
+    piece = decode_each(by_id, [Output("r", {"token": 1000 + i}, None) for i in (1, 2)])
+    assert (piece.text, piece.finish_reason, piece.stop_reason) == (" t1001", "stop", 1002)

@@ -8,6 +8,7 @@ engines' events, prefill stats and scheduler stats (tests/fakes/vllm.py)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import types
 from pathlib import Path
@@ -214,6 +215,24 @@ async def test_the_values_are_counted_as_vllms_frontend_counts_them() -> None:
     }
 
 
+async def test_params_max_tokens_is_the_max_tokens_the_engine_got() -> None:
+    """`vllm:request_params_max_tokens` observes the request's `max_tokens` as vLLM's
+    frontend sent it to the engine (lowered to the room the prompt leaves), not the
+    client's: 10 prompt tokens and max_tokens 60 with engines of 64 observe 54 (before,
+    60; and a chat that gives none observed the gateway's placeholder of 4096)."""
+    async with vllm_group(1, fake_kw={"max_model_len": 64}) as (group, fake):
+        app = create_app(
+            group=group, frontend=VllmFrontend(MODEL), model="tiny", vllm_metric_names=True
+        )
+        async with serving(app) as client:
+            body = {"prompt": list(range(10, 20)), "max_tokens": 60}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            metrics = Metrics((await client.get("/metrics")).text)
+    assert [a[3]["max_tokens"] for a in fake.engines[0].got("add")] == [54]
+    assert _total(metrics, "vllm:request_params_max_tokens", "_sum") == 54
+
+
 def _out(
     rid: str, tokens: int, finish: int | None = None, events: Any = None, prefill: Any = None
 ) -> Any:
@@ -273,6 +292,31 @@ def test_an_aborted_request_is_forgotten_and_junk_stats_count_as_absent() -> Non
     r = stats.rank(1)
     assert (r.reports, r.running, r.kv_cache_usage, r.prefix_cache_queries) == (1, 0, 0.0, 0)
     assert r.generation_tokens == 1 and set(stats._requests) == {"c"}
+
+
+def test_an_engines_junk_clock_never_makes_a_histogram_sum_go_down() -> None:
+    """Timestamps from a hostile or broken engine (a clock that goes back, NaN, an
+    event after the output it precedes) make no negative or NaN observation: each
+    histogram's sum is a Prometheus counter, and before, an inter-token latency of
+    -4 s made it go down (a counter reset to every dashboard) and NaN poisoned it."""
+    stats = EngineStats(max_model_len=100)
+    stats.add("a")
+    nan = float("nan")
+    r = stats.rank(0)
+    histograms = [v for v in vars(r).values() if hasattr(v, "snapshot")]
+    steps: list[tuple[Any, Any]] = [
+        (5.0, _out("a", 1, events=[{"type": 1, "timestamp": 9.0}, {"type": 2, "timestamp": nan}])),
+        (1.0, _out("a", 1)),  # the clock went back
+        (nan, _out("a", 1)),
+        (float("inf"), _out("a", 1, finish=0, events=[{"type": 2, "timestamp": 7.0}])),
+    ]
+    sums = [0.0] * len(histograms)
+    for timestamp, output in steps:
+        stats.step(0, timestamp, [output], None)
+        now = [h.snapshot().sum for h in histograms]
+        assert all(math.isfinite(x) and x >= before for x, before in zip(now, sums, strict=True))
+        sums = now
+    assert r.queue_time.snapshot().count == 1 and r.inter_token_latency.snapshot().count == 3
 
 
 def test_real_engines_reports_decode_into_vllms_values() -> None:

@@ -255,13 +255,18 @@ class GatewayApp:
         self._drain_grace: float = kw["drain_grace"]
         self._connect_options: dict[str, Any] = kw["connect_options"]
         key: str | None = kw["api_key"]
-        self._bearer = None if key is None else b"Bearer " + key.encode()
+        self._bearer = None if key is None else key.encode()
+        """The API key's bytes: ``Authorization: Bearer <key>``, the scheme in any case
+        (RFC 7235, and vLLM's check)."""
         self._backend: Backend | None = None
         self._drain_asked = False
         self._stop_asked = False
         self._stopping: EventLike | None = None
         self._drain_requested: EventLike | None = None
         self._drained: EventLike | None = None
+        self._lifespan_claimed = False
+        """`lifespan()` was entered: set before its first await, so that a second
+        entry, even a concurrent one, is refused (`_drained` is set only later)."""
         self._stop_startup: Callable[[], None] | None = None
         self._live = LiveResponses()
         self.counters = HTTPCounters()
@@ -360,8 +365,9 @@ class GatewayApp:
 
     @asynccontextmanager
     async def _run_lifespan(self) -> AsyncIterator[None]:
-        if self._drained is not None:
+        if self._drained is not None or self._lifespan_claimed:
             raise RuntimeError("the gateway's lifespan has already run (or is running)")
+        self._lifespan_claimed = True
         library = sniffio.current_async_library()
         replies: list[Mapping[str, Any]] = []
         answered = backend_for(library).event()
@@ -394,10 +400,20 @@ class GatewayApp:
             started: Mapping[str, Any] = {}
             stopped: Mapping[str, Any] = {}
             error: BaseException | None = None
+            # The lifespan task is shielded once started: a cancel of the host's block
+            # (a `move_on_after` around it) must not kill it mid-way, or the shielded
+            # shutdown below would wait for its reply forever. Startup stays cancellable.
+            scope = trio.CancelScope()
+
+            async def run() -> None:
+                with scope:
+                    await self._lifespan(receive, send)
+
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._lifespan, receive, send)
+                nursery.start_soon(run)
                 started = await reply()
                 if started["type"] == "lifespan.startup.complete":
+                    scope.shield = True
                     try:
                         yield
                     except BaseException as exc:  # re-raised below, once drained
@@ -446,7 +462,10 @@ class GatewayApp:
             route = ("models", "GET", self._model)
         if route is not None and self._bearer is not None and path.startswith("/v1/"):
             given = header(scope, b"authorization") or b""
-            if not hmac.compare_digest(given.strip(), self._bearer):
+            scheme, _, token = given.strip().partition(b" ")
+            if not (
+                hmac.compare_digest(token.strip(), self._bearer) and scheme.lower() == b"bearer"
+            ):
                 await self._error(
                     send,
                     route[0],

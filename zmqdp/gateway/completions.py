@@ -177,7 +177,7 @@ class CompletionSettings:
     max_collected_chars: int | None = None
     """The most characters of text a non-streaming answer may collect (None: no limit)."""
     engines_seen: list[object] = dataclasses.field(default_factory=lambda: [None])
-    """[the group whose ranks' info the frontend was told] (`_learn_engines`)."""
+    """[the group whose ranks' info the frontend was told last] (`_learn_engines`)."""
 
 
 def _rank(scope: Scope) -> int | None:
@@ -294,8 +294,9 @@ def _parse(
 
 def _learn_engines(settings: CompletionSettings, group: GroupLike) -> None:
     """Tell a frontend that wants it (`learn_engines`: vLLM's, for the engines'
-    ``max_model_len``) the ranks' handshake info, once per group: the first request
-    after the group is up (every rank is, then)."""
+    ``max_model_len``) the handshake info of the ranks up now, at every request: a rank
+    that restarts with another ``--max-model-len`` changes the limit (learnt once per
+    group, a shorter one went unseen: its prompts met only the wire's own check)."""
     learn = getattr(settings.frontend, "learn_engines", None)
     engines = getattr(group, "engines", None)
     if learn is not None and engines is not None:
@@ -392,7 +393,7 @@ async def handle_completion(
                 )
             rank = _rank(scope)
             _check_collected(request, settings)
-            if group is not None and settings.engines_seen[0] is not group:
+            if group is not None:
                 _learn_engines(settings, group)
             work = functools.partial(_prepare, settings.frontend, request, messages, request_id)
             if getattr(settings.frontend, "threaded", False) and len(body) > INLINE_PREPARE:
@@ -484,6 +485,8 @@ class _Response:
         self.first = 0.0
         """When its first token came (`time.perf_counter`), 0.0 before."""
         self.finish: str | None = None
+        self.max_tokens = request.max_tokens
+        """The request's `max_tokens` as its engine got it (a frontend may lower it)."""
         self.created = int(time.time())
         self.arrived = time.perf_counter()
         """When the request was parsed and ready to submit (vLLM's `arrival_time`)."""
@@ -504,6 +507,10 @@ class _Response:
             if make is None
             else make(self.request_id, self.pinned)
         )
+        # vLLM's `request_params_max_tokens` is the engine's, after the frontend's clamp
+        sent = getattr(getattr(request, "sampling", None), "max_tokens", None)
+        if type(sent) is int:
+            self.max_tokens = sent
         wait = self.settings.queue_timeout
         if wait <= 0:
             return self.group.submit(request)
@@ -549,7 +556,7 @@ class _Response:
                 now,
                 rank=self.rank or 0,
                 arrived=self.arrived,
-                max_tokens=self.request.max_tokens,
+                max_tokens=self.max_tokens,
             )
 
     async def _complete(self, stream: StreamLike) -> None:

@@ -304,12 +304,27 @@ class _MockDecode:
 _MOCK_DECODE = _MockDecode()
 
 
+def first_stop(text: str, stops: Sequence[str], floor: int = 0) -> tuple[str, int] | None:
+    """The stop string found in `text` that ends first (ties: the first in the list),
+    and where it starts: vLLM's choice (`check_stop_strings`), so the text and
+    `stop_reason` are those vLLM would give. Only a string ending past `floor` counts
+    (vLLM searches the new text, and what `min_tokens` covers is never searched)."""
+    best: tuple[str, int] | None = None
+    best_end = len(text) + 1
+    for stop in stops:
+        at = text.find(stop, max(0, floor - len(stop) + 1))
+        if at >= 0 and at + len(stop) < best_end:
+            best, best_end = (stop, at), at + len(stop)
+    return best
+
+
 class _MockStopDecode:
     """The mock's decoding with stop strings and stop token ids, as vLLM's detokenizer
     applies them (`include_stop_str_in_output` false): the text ends before the first
     stop string found, with finish ``"stop"``; up to the longest stop string minus one
-    character is held back meanwhile (the next token may complete one); a stop token
-    id ends the answer with ``"stop"`` and its own text left out. One per request."""
+    character is held back meanwhile (the next token may complete one; of several, the
+    one that ends first); a stop token id ends the answer with ``"stop"`` and its own
+    text left out. `stop_reason` is the string or the id, as vLLM's. One per request."""
 
     __slots__ = ("_held", "_hold", "_stop_ids", "_stops")
 
@@ -324,13 +339,15 @@ class _MockStopDecode:
         token = body.get("token") if isinstance(body, dict) else None
         stopped = type(token) is int and token in self._stop_ids
         held = self._held if stopped else self._held + _mock_text(body)
-        cut = min((i for s in self._stops if (i := held.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        match = first_stop(held, self._stops)
+        if match is not None:
             self._held = ""
-            return Piece(held[:cut], 1, "stop")
+            return Piece(held[: match[1]], 1, "stop", match[0])
         if stopped or output.finish is not None:
             self._held = ""
-            return Piece(held, 1, "stop" if stopped else output.finish or "stop")
+            if stopped:
+                return Piece(held, 1, "stop", token)
+            return Piece(held, 1, output.finish or "stop")
         keep = len(held) - self._hold
         self._held = held[max(keep, 0) :]
         return Piece(held[:keep] if keep > 0 else "", 1, None)

@@ -24,7 +24,9 @@ frontend's (vLLM's `InputProcessor` and `OutputProcessor`). Here, per request:
    ``finish_reason="stop"`` and, as vLLM, ``stop_reason`` the string (of several found,
    the one that ends first); an engine's stop on a `stop_token_ids` id has that id as
    its ``stop_reason``, EOS none: the gateway ends the response there and aborts the
-   request on its rank. The engine's own finish releases what was held back.
+   request on its rank. The engine's own finish releases what was held back. With
+   `min_tokens`, as vLLM, only once more than that many tokens are out, and only a
+   stop string that ends in the text of the tokens past them.
 
 `usage.completion_tokens` counts the engine's tokens (those after a stop string
 included, up to the output that completed it).
@@ -42,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .._core.messages import Output
-from .frontend import CompletionRequest, Piece, Prepared, decode_each
+from .frontend import CompletionRequest, Piece, Prepared, decode_each, first_stop
 
 __all__ = [
     "FIELDS",
@@ -222,7 +224,8 @@ class VllmFrontend:
       (default: `model_dir`);
     * `chat_template`: a template replacing the tokenizer's (`load_chat_template`);
     * `generation_config`: where the sampling defaults come from (`generation_defaults`):
-      a request's own fields win, then these, then vLLM's neutral values."""
+      a request's own fields win, then these, then vLLM's neutral values; a folder's
+      ``max_new_tokens`` caps every request (`override_max_tokens`), as in vLLM."""
 
     fields = FIELDS
     threaded = True
@@ -252,6 +255,14 @@ class VllmFrontend:
         tokenizer_config = _read_json(words / "tokenizer_config.json")
         self.sampling_defaults: dict[str, Any] = generation_defaults(generation_config, directory)
         """The model's sampling defaults, as vLLM applies them (`generation_defaults`)."""
+        cap = self.sampling_defaults.get("max_tokens")
+        self.override_max_tokens: int | None = (
+            cap
+            if generation_config not in GENERATION_CONFIG and type(cap) is int and cap > 0
+            else None
+        )
+        """A folder's ``max_new_tokens``: vLLM's `override_max_tokens`, a cap on every
+        request's `max_tokens` (the model's own, "auto", is only a default)."""
         self.configured_max_model_len: int | None = None
         """The length from the flag or the model's config, before the engines' (`learn_engines`)."""
         eos = _first_int(generation.get("eos_token_id"))
@@ -437,6 +448,8 @@ class VllmFrontend:
                     "tokens. Please reduce the length of the input prompt.",
                     "input_tokens",
                 )
+        if self.override_max_tokens is not None:  # (vLLM's get_max_tokens: the least)
+            max_tokens = min(max_tokens, self.override_max_tokens)
         if isinstance(prompt, str):
             ids: list[int] = encoding.ids
         else:
@@ -558,7 +571,17 @@ class _Decoder:
         finish = output.finish
         # An engine's "stop" is its EOS or a stop token id: vLLM's detokenizer leaves
         # that last token's text out (`include_stop_str_in_output` false), and so do we.
-        for t in ids[:-1] if finish == "stop" else ids:  # (a plain loop: `step` of a
+        texts = ids[:-1] if finish == "stop" else ids
+        before = self._before if self._stops else 0
+        pre = 0  # characters of this output's text within `min_tokens`
+        if 0 < before < len(ids):  # `min_tokens` ends inside this output
+            for t in texts[:before]:
+                piece = step(tokenizer, t)
+                if piece is not None:
+                    parts.append(piece)
+            pre = sum(map(len, parts))
+            texts = texts[before:]
+        for t in texts:  # (a plain loop: `step` of a
             piece = step(tokenizer, t)  # list holds back text it would not)
             if piece is not None:
                 parts.append(piece)
@@ -571,8 +594,8 @@ class _Decoder:
             )
         held = self._held + text
         self._before -= len(ids)
-        if self._before <= 0:
-            match = _first_stop(held, self._stops)
+        if self._before < 0:  # vLLM: past `min_tokens`, a stop string ending in new text
+            match = _first_stop(held, self._stops, len(self._held) + pre)
             if match is not None:
                 self._held = ""
                 return Piece(held[: match[1]], len(ids), "stop", match[0])
@@ -619,14 +642,4 @@ class _Decoder:
         return Piece("".join(parts), tokens, None)
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[str, int] | None:
-    """The stop string found in `text` that ends first (ties: the first in the list),
-    and where it starts: vLLM's choice (`check_stop_strings`), so `stop_reason` names
-    the string vLLM would."""
-    best: tuple[str, int] | None = None
-    best_end = len(text) + 1
-    for stop in stops:
-        at = text.find(stop)
-        if at >= 0 and at + len(stop) < best_end:
-            best, best_end = (stop, at), at + len(stop)
-    return best
+_first_stop = first_stop  # (the mock's too: frontend.py)

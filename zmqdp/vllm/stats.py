@@ -21,8 +21,10 @@ does the same arithmetic on the same fields:
   token), decode (first token to last), inference (SCHEDULED to last) and mean time
   per output token, its preemptions, and its prompt tokens computed (not cached).
 
-Only engine clocks are subtracted from engine clocks; the frontend-side series (time to
-first token, end to end, request counts by finish reason) are the gateway's own
+Only engine clocks are subtracted from engine clocks, and an interval is never
+negative nor NaN (a clock gone back counts 0; a timestamp that is not a finite number
+is ignored): a histogram's sum is a counter to Prometheus. The frontend-side series
+(time to first token, end to end, request counts by finish reason) are the gateway's own
 (`zmqdp.gateway.metrics`). The decoder feeds an `EngineStats` only if the wire has one
 (`VllmWire.stats`), so a group without metrics pays nothing per token. A request's state
 is made when its ADD is sent and dropped when it finishes or is aborted (the outputs of
@@ -33,6 +35,7 @@ oldest go first).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +92,9 @@ class RankEngineStats:
     def __init__(self, token_buckets: tuple[float, ...]) -> None:
         self.reports = 0
         """Scheduler reports seen (0: the engine sends no stats)."""
+        self.clock = 0.0
+        """The engine's last valid step timestamp (one that is not a finite number
+        stands for this one: no interval is made of junk)."""
         self.running = self.waiting = self.deferred = 0
         self.kv_cache_usage = 0.0
         self.prefix_cache_queries = self.prefix_cache_hits = 0
@@ -110,6 +116,13 @@ class RankEngineStats:
         self.inference_time = Histogram(REQUEST_LATENCY_BUCKETS)
         self.num_preemptions = Histogram(REQUEST_NUM_PREEMPTIONS_BUCKETS)
         self.prefill_kv_computed = Histogram(token_buckets)
+
+
+def _span(start: float, end: float) -> float:
+    """`end - start`, or 0.0 where an engine's clock went back: a histogram's sum is a
+    counter to Prometheus, and a negative observation would make it go down."""
+    span = end - start
+    return span if span > 0 else 0.0
 
 
 def _int(value: Any) -> int:
@@ -155,7 +168,12 @@ class EngineStats:
             self._scheduler(r, scheduler_stats)
         if not outputs:
             return
-        now = float(timestamp) if type(timestamp) in (int, float) else 0.0
+        now = (
+            float(timestamp)
+            if type(timestamp) in (int, float) and math.isfinite(timestamp)
+            else r.clock
+        )
+        r.clock = now
         requests = self._requests
         itl = r.inter_token_latency.observe
         new_tokens = computed = 0
@@ -171,7 +189,8 @@ class EngineStats:
             if o.prefill_stats is not None:
                 computed += self._prefill(r, state, o.prefill_stats)
             if state.outputs:  # (vLLM's `is_prefilling` is "no output yet")
-                itl(now - state.last)
+                gap = now - state.last
+                itl(gap if gap > 0 else 0.0)  # (a clock gone back: a sum never goes down)
             else:
                 state.first = now
             state.last = now
@@ -215,7 +234,7 @@ class EngineStats:
             if type(event) is not dict:
                 continue
             kind, ts = event.get("type"), event.get("timestamp")
-            if not isinstance(ts, int | float):
+            if not isinstance(ts, int | float) or not math.isfinite(ts):
                 continue
             if kind == _QUEUED:
                 state.queued = ts
@@ -248,11 +267,11 @@ class EngineStats:
     @staticmethod
     def _finished(r: RankEngineStats, s: _Request) -> None:
         """vLLM's `update_from_finished_request`: intervals between engine clocks."""
-        r.queue_time.observe(s.scheduled - s.queued)
-        r.prefill_time.observe(s.first - s.scheduled)
-        decode = s.last - s.first
+        r.queue_time.observe(_span(s.queued, s.scheduled))
+        r.prefill_time.observe(_span(s.scheduled, s.first))
+        decode = _span(s.first, s.last)
         r.decode_time.observe(decode)
-        r.inference_time.observe(s.last - s.scheduled)
+        r.inference_time.observe(_span(s.scheduled, s.last))
         r.time_per_output_token.observe(decode / (s.tokens - 1) if s.tokens > 1 else 0.0)
         r.num_preemptions.observe(s.preemptions)
         if s.prompt >= 0:
