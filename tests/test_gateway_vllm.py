@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import trio
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from zmqdp._core.messages import Output
@@ -325,8 +325,13 @@ class _StopsOnceADelivery(_Decoder):
 def test_the_batch_property_catches_a_broken_batch_decoder(broken: Any) -> None:
     """The property above fails for each broken variant (the check is not vacuous)."""
 
-    @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate])
+    # the explicit example is one that `_ListStep` fails (found by Hypothesis): random
+    # generation alone missed it about one run in eight
+    @settings(
+        max_examples=300, deadline=None, database=None, phases=[Phase.explicit, Phase.generate]
+    )
     @given(_CASE, _CUTS, _CUTS, st.integers(0, 8), st.integers(0, 40))
+    @example(([4, 98], ()), [], [], 0, 0)
     def check(
         case: tuple[list[int], tuple[str, ...]],
         output_cuts: list[int],

@@ -22,10 +22,13 @@ from zmqdp._zmq import ZSocket
 from .helpers import RawEngine, group_in_background, raw, wait_until
 
 
-async def _connected(ctx: Any, zs: ZSocket) -> None:
-    """Until `zs` (a connecting socket) has completed a ZMTP handshake."""
+async def _connect(zs: ZSocket, address: str) -> None:
+    """Connects `zs` and waits until it has completed a ZMTP handshake. The monitor is
+    attached before the connect: attached after it, a handshake already done is never
+    reported, and the wait hangs (seen in CI under load)."""
     monitor = ZSocket(zs.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
     try:
+        zs.sock.connect(address)
         await monitor.receive_batch(1)
     finally:
         zs.sock.disable_monitor()
@@ -47,9 +50,8 @@ async def test_a_previous_incarnations_output_connection_never_claims_the_rank(
     output_address = parse_group_url(url, None).output
     async with group_in_background(url, 1) as box:
         old = raw(ctx, zmq.DEALER, rank_identity(0))
-        old.sock.connect(output_address)
+        await _connect(old, output_address)
         await old.send([cbor2.dumps({"rank": 0, "epoch": 7, "outputs": []})])
-        await _connected(ctx, old)
         engine = RawEngine(ctx, url, 0, 1)
         init = await engine.hello()
         assert isinstance(init, Init) and init.epoch != 7
