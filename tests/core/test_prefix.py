@@ -74,9 +74,10 @@ test_pick_guarantees = settings(max_examples=500, deadline=None)(pick_property(p
     ("variant", "caught_by"),
     [
         (mutants.RootFirstIndex, "match of|blocks, expected"),
-        (mutants.UnchainedIndex, "match of|blocks, expected"),
+        (mutants.UnchainedIndex, "match of|blocks, expected|distinct blocks"),
         (mutants.UsageBlindIndex, "past its limit"),
         (mutants.UncappedIndex, "past max_blocks"),
+        (mutants.LeakyIndex, "distinct blocks kept"),
         (mutants.KeepsForgottenIndex, "match of|blocks, expected"),
         (mutants.StaleInsertIndex, "match of|blocks, expected"),
     ],

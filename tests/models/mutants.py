@@ -357,6 +357,19 @@ class UncappedIndex(PrefixIndex):
             self.max_blocks = max_blocks
 
 
+class LeakyIndex(PrefixIndex):
+    """Evicts a rank's entry but keeps its hash in the hash-to-ranks map when no rank
+    holds it any more: memory grows with every prompt ever sent."""
+
+    def _evict(self, rank: int, count: int) -> None:
+        blocks = self._blocks[rank]
+        holders = self._holders
+        for _ in range(count):
+            h, _ = blocks.popitem(last=False)
+            holders[h] &= ~(1 << rank)
+        self._total -= count
+
+
 class KeepsForgottenIndex(PrefixIndex):
     """A replaced rank keeps its predecessor's entries."""
 

@@ -9,9 +9,10 @@ global cap the rank holding most (the lowest such) drops its least recent prefix
 
 `IndexMachine` drives `PrefixIndex` and the reference side by side over small token
 alphabets (so prompts share prefixes and blocks recur under other parents) and checks
-every match, the memory bounds, and the per-rank counts. `check_pick` states the
-policy's guarantees for one pick. A plain module, so that tests/core/test_prefix.py
-can run both against the broken variants in tests/models/mutants.py.
+every match, the memory bounds, the per-rank counts and the distinct blocks kept (a
+hash no rank holds any more is a leak). `check_pick` states the policy's guarantees for
+one pick. A plain module, so that tests/core/test_prefix.py can run both against the
+broken variants in tests/models/mutants.py.
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ class IndexMachine(RuleBasedStateMachine):
             assert n <= ref.limit(r), f"rank {r} keeps {n} blocks past its limit {ref.limit(r)}"
             assert n == len(ref.lru[r]), f"rank {r} keeps {n} blocks, expected {len(ref.lru[r])}"
         assert index.total == sum(index.blocks(r) for r in range(self.size))
+        distinct = len({p for lru in ref.lru for p in lru})
+        assert index.distinct == distinct, f"{index.distinct} distinct blocks kept, {distinct} held"
 
 
 def check_pick(

@@ -259,7 +259,13 @@ class PrefixIndex:
 
     @property
     def total(self) -> int:
+        """Entries over all ranks (at most `max_blocks`)."""
         return self._total
+
+    @property
+    def distinct(self) -> int:
+        """Distinct blocks over all ranks (at most `total`): the hash-to-ranks map's size."""
+        return len(self._holders)
 
     # -- eviction -----------------------------------------------------------------------
 
