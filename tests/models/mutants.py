@@ -7,6 +7,8 @@ machines and the exhaustive wave search against each and requires a failure.
 from __future__ import annotations
 
 import collections
+import math
+from collections.abc import Sequence
 from typing import Any
 
 from zmqdp._core.codec import EntryCursor
@@ -14,6 +16,7 @@ from zmqdp._core.errors import ProtocolError
 from zmqdp._core.liveness import ConnectionWatch
 from zmqdp._core.messages import OutputBatch
 from zmqdp._core.outbox import Outbox
+from zmqdp._core.prefix import PrefixIndex, pick
 from zmqdp._core.requests import RequestBook
 from zmqdp._core.routing import SPEED_BAND, SPEED_SPREAD, STEP_RUN, STEP_WEIGHT, Routing
 from zmqdp._core.state import BatchRest, GroupCore, RankHealth
@@ -314,3 +317,94 @@ class UnboundedLead(Routing):
 
 class CadenceOnlyRouting(UnconfirmedTiming, UnboundedLead):
     """362b651's speed-aware routing: cadence-only timing, no lead bound."""
+
+
+# -- prefix affinity (caught by tests/models/prefix.py) ----------------------------------
+
+
+class RootFirstIndex(PrefixIndex):
+    """Touches a prompt's blocks root first, so its leaves are the most recent and the
+    root is evicted first: a chain's rest is kept where its start is gone."""
+
+    def insert(self, rank: int, hashes: Sequence[int], incarnation: int | None = None) -> None:
+        super().insert(rank, list(reversed(hashes)), incarnation)
+
+
+class UnchainedIndex(PrefixIndex):
+    """Hashes each block alone: a block cached under another prefix counts as a match."""
+
+    def chain(self, tokens: Sequence[int], root: int = 0) -> list[int]:
+        b = self.block_size
+        return [hash(tuple(tokens[end - b : end])) for end in range(b, len(tokens) + 1, b)]
+
+
+class UsageBlindIndex(PrefixIndex):
+    """Ignores reported KV usage: a busy rank is assumed to keep its whole capacity."""
+
+    def observe_usage(self, rank: int, kv: float) -> None:
+        pass
+
+
+class UncappedIndex(PrefixIndex):
+    """No global cap: memory grows with the ranks' claimed capacities."""
+
+    def insert(self, rank: int, hashes: Sequence[int], incarnation: int | None = None) -> None:
+        max_blocks = self.max_blocks
+        self.max_blocks = 1 << 62
+        try:
+            super().insert(rank, hashes, incarnation)
+        finally:
+            self.max_blocks = max_blocks
+
+
+class LeakyIndex(PrefixIndex):
+    """Evicts a rank's entry but keeps its hash in the hash-to-ranks map when no rank
+    holds it any more: memory grows with every prompt ever sent."""
+
+    def _evict(self, rank: int, count: int) -> None:
+        blocks = self._blocks[rank]
+        holders = self._holders
+        for _ in range(count):
+            h, _ = blocks.popitem(last=False)
+            holders[h] &= ~(1 << rank)
+        self._total -= count
+
+
+class KeepsForgottenIndex(PrefixIndex):
+    """A replaced rank keeps its predecessor's entries."""
+
+    def forget(self, rank: int, incarnation: int | None = None) -> None:
+        current = self.incarnation(rank)
+        self._incarnation[rank] = current + 1 if incarnation is None else incarnation
+
+
+class StaleInsertIndex(PrefixIndex):
+    """Indexes a prompt sent to a rank's previous incarnation."""
+
+    def insert(self, rank: int, hashes: Sequence[int], incarnation: int | None = None) -> None:
+        super().insert(rank, hashes)
+
+
+def pick_unbanded(loads: Sequence[float], cached: Sequence[int], prompt: int, **kw: Any) -> int:
+    """Affinity with no load guard (sgl-project/sglang#21199)."""
+    return pick(loads, cached, prompt, **{**kw, "band": 1e18, "slack": math.inf})
+
+
+def pick_pending_blind(
+    loads: Sequence[float], cached: Sequence[int], prompt: int, **kw: Any
+) -> int:
+    """Lockstep by uncached tokens alone: a rank made hot by affinity keeps winning."""
+    if kw.get("pending") is not None:
+        kw["pending"] = [0.0] * len(loads)
+    return pick(loads, cached, prompt, **kw)
+
+
+def pick_cache_blind(loads: Sequence[float], cached: Sequence[int], prompt: int, **kw: Any) -> int:
+    """No affinity: the load decision whatever the ranks cache."""
+    return pick(loads, [0] * len(loads), prompt, **kw)
+
+
+def pick_trusting(loads: Sequence[float], cached: Sequence[int], prompt: int, **kw: Any) -> int:
+    """Counts a rank's cached tokens as claimed, past the prompt: a liar outbids a whole
+    hit. (Only clamping reads `prompt` besides the constant in every lockstep cost.)"""
+    return pick(loads, cached, max([prompt, *cached]), **kw)
