@@ -197,6 +197,13 @@ def test_own_hash_ignores_the_engines_hash() -> None:
     assert keys[0] == keys[1] == chain(tokens, 2)
 
 
+def test_token_ids_past_int64_hash_and_do_not_raise() -> None:
+    feed = KvEventFeed(0, block_size=2)
+    out = feed.feed(frames(0, [stored([7], None, [2**64 - 1, -(2**63)])]), 0.0)
+    assert len(out) == 1 and isinstance(out[0], Stored)
+    assert chain_hash(None, [2**64 - 1, 0]) != chain_hash(None, [-1, 0])
+
+
 def test_removed_and_parent_resolve_through_engine_hashes() -> None:
     feed, index = KvEventFeed(0, block_size=2), Index()
     index.apply(feed.feed(frames(0, [stored([7], None, [1, 2])]), 0.0))
@@ -577,3 +584,29 @@ def test_feed_machine_catches(mutant: type[KvEventFeed]) -> None:
     with pytest.raises(AssertionError) as info:
         run_state_machine_as_test(machine, settings=HUNT)
     assert MUTANTS[mutant] in str(info.value), str(info.value)
+
+
+def test_the_feed_is_sans_io() -> None:
+    """The module imports neither trio nor zmq (only the standard library and msgspec,
+    the codec vLLM's wire already uses)."""
+    import ast
+
+    import zmqdp._core.kv_events as mod
+
+    tree = ast.parse(Path(mod.__file__ or "").read_text())
+    roots = {
+        (node.module or "" if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    assert roots <= {
+        "__future__",
+        "array",
+        "hashlib",
+        "collections",
+        "dataclasses",
+        "itertools",
+        "typing",
+        "msgspec",
+    }, roots

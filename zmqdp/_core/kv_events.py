@@ -57,6 +57,7 @@ to itself, and only up to what the policy's load guard lets affinity do.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -86,12 +87,16 @@ ChainHash = Callable[[int | None, Sequence[int]], int]
 
 def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
     """Our content hash of one full block: 64 bits of BLAKE2b over the parent's key and
-    the block's token ids. Unseeded, so every process and every restart agrees; 64
+    the block's token ids. Unseeded, so every restart agrees (the machine's byte order
+    is in it: keys are not meant to leave the process); 64
     bits, so a collision among a million indexed blocks has odds of about 3e-8, and a
     collision only costs a mis-scored pick, never a wrong answer."""
     h = hashlib.blake2b(digest_size=8)
     h.update(b"\xff" * 8 if parent is None else parent.to_bytes(8, "big"))
-    h.update(b"".join(t.to_bytes(8, "big", signed=True) for t in tokens))
+    try:
+        h.update(array("q", tokens).tobytes())  # native order: the hash stays in-process
+    except OverflowError:  # an id past int64 (only a hostile engine sends one)
+        h.update(b"\0" + repr(list(tokens)).encode())
     return int.from_bytes(h.digest(), "big")
 
 
