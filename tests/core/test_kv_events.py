@@ -589,8 +589,8 @@ def test_feed_machine_catches(mutant: type[KvEventFeed]) -> None:
 
 
 def test_the_feed_is_sans_io() -> None:
-    """The module imports neither trio nor zmq (only the standard library and msgspec,
-    the codec vLLM's wire already uses)."""
+    """The module imports neither trio nor zmq (only the standard library, msgspec, the
+    codec vLLM's wire already uses, and the core's prefix module for the block key)."""
     import ast
 
     import zmqdp._core.kv_events as mod
@@ -611,4 +611,5 @@ def test_the_feed_is_sans_io() -> None:
         "itertools",
         "typing",
         "msgspec",
+        "prefix",
     }, roots

@@ -56,14 +56,14 @@ to itself, and only up to what the policy's load guard lets affinity do.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, NamedTuple
 
 import msgspec
+
+from .prefix import block_key
 
 __all__ = [
     "END_SEQ",
@@ -86,18 +86,12 @@ ChainHash = Callable[[int | None, Sequence[int]], int]
 
 
 def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """Our content hash of one full block: 64 bits of BLAKE2b over the parent's key and
-    the block's token ids. Unseeded, so every restart agrees (the machine's byte order
-    is in it: keys are not meant to leave the process); 64
-    bits, so a collision among a million indexed blocks has odds of about 3e-8, and a
-    collision only costs a mis-scored pick, never a wrong answer."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(b"\xff" * 8 if parent is None else parent.to_bytes(8, "big"))
-    try:
-        h.update(array("q", tokens).tobytes())  # native order: the hash stays in-process
-    except OverflowError:  # an id past int64 (only a hostile engine sends one)
-        h.update(b"\0" + repr(list(tokens)).encode())
-    return int.from_bytes(h.digest(), "big")
+    """Our content key of one full block: `zmqdp._core.prefix.block_key`, the key the
+    approximate index gives the blocks of the prompts it sends, so both modes share
+    one index. Unseeded (the same in every process), 64 bits: a collision among a
+    million indexed blocks has odds of about 3e-8, and costs only a mis-scored pick,
+    never a wrong answer."""
+    return block_key(parent, tokens)
 
 
 def replay_request(start_seq: int) -> list[bytes]:

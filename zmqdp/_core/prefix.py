@@ -77,6 +77,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 __all__ = [
+    "block_key",
     "BAND",
     "BLOCK_SIZE",
     "SLACK",
@@ -95,9 +96,18 @@ SLACK = 2.0
 score), a rank may be and still win by its cache."""
 
 
+def block_key(parent: int | None, block: Sequence[int]) -> int:
+    """The key of one full block after the block keyed `parent` (None: the first, under
+    root 0): the one content hash both modes use, so blocks a prompt was sent with and
+    blocks an engine's KV events say it stored (`_core/kv_events.py`) meet in one index.
+    Python's tuple hash of ints: the same in every process (no hash seed), 64 bits."""
+    return hash((0 if parent is None else parent, *block))
+
+
 def chain(tokens: Sequence[int], block_size: int = BLOCK_SIZE, root: int = 0) -> list[int]:
     """The chained hashes of the full blocks of `tokens`: the i-th names tokens
-    ``[0, (i + 1) x block_size)`` (module docstring)."""
+    ``[0, (i + 1) x block_size)`` (module docstring); ``block_key`` applied block by
+    block from `root`."""
     hashes: list[int] = []
     parent = root
     for end in range(block_size, len(tokens) + 1, block_size):
