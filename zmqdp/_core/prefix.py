@@ -139,6 +139,7 @@ class PrefixIndex:
         "block_size",
         "max_blocks",
         "min_blocks",
+        "predicted_blocks",
         "rank_blocks",
         "size",
     )
@@ -151,6 +152,7 @@ class PrefixIndex:
         max_blocks: int = 1 << 20,
         rank_blocks: int | None = None,
         min_blocks: int = 64,
+        predicted_blocks: int = PREDICTED_BLOCKS,
     ) -> None:
         if size < 1:
             raise ValueError(f"a group needs at least one rank, got {size}")
@@ -161,6 +163,8 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self.rank_blocks = max_blocks if rank_blocks is None else min(rank_blocks, max_blocks)
         self.min_blocks = min(max(min_blocks, 0), self.rank_blocks)
+        self.predicted_blocks = max(predicted_blocks, 0)
+        """Exact mode: the most approximate entries (predictions) a rank keeps."""
         self._holders: dict[int, int] = {}  # block hash -> bit mask of the ranks holding it
         # per rank: approximate entries (predictions in exact mode), least recent first
         self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
@@ -250,7 +254,7 @@ class PrefixIndex:
 
     def set_exact(self, rank: int, on: bool, incarnation: int | None = None) -> None:
         """`rank`'s KV events are live (`on`) or no longer are. On: its approximate
-        entries become predictions, the newest `PREDICTED_BLOCKS` at most, and its
+        entries become predictions, the newest `predicted_blocks` at most, and its
         limit stops shrinking with its usage. Off: its exact entries become approximate
         ones (older than its predictions), shrunk to the approximate limit."""
         if not self._current(rank, incarnation) or self._exact[rank] == on:
@@ -345,8 +349,8 @@ class PrefixIndex:
         if incarnation is not None and incarnation != self._incarnation[rank]:
             return
         limit = self.limit(rank)
-        if self._exact[rank] and limit > PREDICTED_BLOCKS:
-            limit = PREDICTED_BLOCKS
+        if self._exact[rank] and limit > self.predicted_blocks:
+            limit = self.predicted_blocks
         if len(hashes) > limit:
             hashes = hashes[:limit]
         blocks = self._blocks[rank]
@@ -423,7 +427,7 @@ class PrefixIndex:
     def _shrink(self, rank: int) -> None:
         excess = self.blocks(rank) - self.limit(rank)
         if self._exact[rank]:
-            excess = max(excess, len(self._blocks[rank]) - PREDICTED_BLOCKS)
+            excess = max(excess, len(self._blocks[rank]) - self.predicted_blocks)
         if excess > 0:
             self._evict(rank, excess)
 
