@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     rounds, n = (3, 50) if args.quick else (9, 300)
-    print(f"| ranks | plain µs | no tokens µs | hit µs | miss µs | hit / plain |")
+    print("| ranks | plain µs | no tokens µs | hit µs | miss µs | hit / plain |")
     print("|---|---|---|---|---|---|")
     for size in (2, 8):
         m = measure(size, rounds, n)
