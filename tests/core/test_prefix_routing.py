@@ -243,3 +243,34 @@ def test_exact_mode_keeps_predictions_short_and_the_stores_within_the_caps() -> 
     assert index.total <= index.max_blocks
     index.set_exact(0, False)  # back to approximate: the stores kept, within its limit
     assert index.stored(0) == 0 and index.blocks(0) == index.limit(0)
+
+
+# -- vLLM's wire and a lockstep core -------------------------------------------------
+
+
+def test_the_vllm_wire_prepares_prompt_token_ids_under_the_cache_salt() -> None:
+    from zmqdp._core.prefix import block_key
+    from zmqdp.vllm import VllmRequest
+    from zmqdp.vllm.wire import VllmWire
+
+    wire = VllmWire()
+    info = [{"max_model_len": 1000}]
+    plain = wire.prepare(VllmRequest("a", [1, 2, 3]), info, 0.0)
+    assert plain.prefix == ([1, 2, 3], 0)
+    salted = wire.prepare(VllmRequest("b", [1, 2, 3], cache_salt="s"), info, 0.0)
+    other = wire.prepare(VllmRequest("c", [1, 2, 3], cache_salt="t"), info, 0.0)
+    assert salted.prefix == ([1, 2, 3], block_key(None, [hash("s")]))
+    assert salted.prefix is not None and other.prefix is not None
+    assert len({0, salted.prefix[1], other.prefix[1]}) == 3  # separate caches
+
+
+def test_a_lockstep_cores_pending_prefill_ends_at_the_first_output() -> None:
+    c = core(lockstep=True)
+    sub = c.submit("a", None, object(), None, 1.0, None, (list(range(64)), 0))
+    assert c.routing.prefill_pending(sub.rank) == 64
+    body = cbor2.dumps(
+        {"rank": sub.rank, "epoch": 10 + sub.rank, "outputs": [{"id": sub.wire_id, "body": 1}]}
+    )
+    c.on_output([rank_identity(sub.rank), body], 2.0)
+    assert c.take_effects().deliveries  # delivered: its prefill is done
+    assert c.routing.prefill_pending(sub.rank) == 0 and not c.routing.prefilling
