@@ -85,3 +85,31 @@ async def test_other_routings_take_token_ids_and_ignore_them(tmp_path: Path) -> 
                     ranks.append(s.rank)
             assert ranks[:2] == [0, 1]  # by load alone
             assert group.statistics().prefix is None
+
+
+async def test_the_native_gateway_routes_by_prefix_with_no_host_code() -> None:
+    """`serve --mock --routing prefix`: the gateway passes the prompt's token ids it
+    already has (`Prepared.tokens`), so a repeated long prompt is a hit, counted in
+    ``zmqdp_prefix_hits``; without them every request would count as routed by load."""
+    from zmqdp.gateway import create_app
+    from zmqdp.mock import MockConfig
+
+    from .gateway_helpers import serving
+
+    prompt = "You are a helpful assistant. " * 4  # 116 bytes: 7 blocks of 16 tokens
+    with trio.fail_after(30):
+        async with serving(
+            "hypercorn", create_app(mock=MockConfig(engines=2, step_time=0.002), routing="prefix")
+        ) as client:
+            ranks = []
+            for _ in range(2):
+                response = await client.post(
+                    "/v1/completions", json={"prompt": prompt, "max_tokens": 2}
+                )
+                assert response.status_code == 200, response.text
+                ranks.append(response.headers["x-data-parallel-rank"])
+            metrics = (await client.get("/metrics")).text
+    assert ranks[0] == ranks[1]
+    assert "zmqdp_prefix_requests_total 2.0" in metrics, metrics
+    assert "zmqdp_prefix_hits_total 1.0" in metrics
+    assert "zmqdp_prefix_cached_tokens_total 112.0" in metrics

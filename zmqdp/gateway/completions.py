@@ -503,7 +503,7 @@ class _Response:
     async def _submit(self) -> StreamLike:
         make = self.prepared.request
         request: Any = (
-            Request(self.request_id, self.prepared.body, self.pinned)
+            Request(self.request_id, self.prepared.body, self.pinned, tokens=self.prepared.tokens)
             if make is None
             else make(self.request_id, self.pinned)
         )

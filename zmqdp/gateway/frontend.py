@@ -110,6 +110,10 @@ class Prepared:
     """Builds the group's request from the gateway's request id and pinned rank, for a
     group on another wire (a `zmqdp.vllm.VllmRequest`); None: a `zmqdp.Request`
     carrying `body` (the native wire)."""
+    tokens: Sequence[int] | None = None
+    """The prompt's token ids for the native wire's `zmqdp.Request.tokens`, so that
+    ``--routing prefix`` routes by prefix with no host code (a `request` builder passes
+    its own: vLLM's `prompt_token_ids`)."""
 
 
 class BatchDecode(Protocol):
@@ -249,8 +253,8 @@ class MockFrontend:
         ids = list(tokens)
         body = {"prompt": ids, "max_tokens": request.max_tokens}
         if stops or stop_ids:
-            return Prepared(body, len(ids), _MockStopDecode(stops, stop_ids))
-        return Prepared(body, len(ids), _MOCK_DECODE)
+            return Prepared(body, len(ids), _MockStopDecode(stops, stop_ids), tokens=ids)
+        return Prepared(body, len(ids), _MOCK_DECODE, tokens=ids)
 
 
 def decode_each(decode: Callable[[Output], Piece], outputs: Sequence[Output]) -> Piece:
