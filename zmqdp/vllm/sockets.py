@@ -67,6 +67,7 @@ import zmq
 
 from .._addresses import is_loopback
 from .._core.errors import ProtocolError
+from .._core.kv_events import KvEventCounters
 from .._core.liveness import ConnectionWatch
 from .._transport import CONTROL_MAX_MESSAGE, TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
@@ -83,6 +84,7 @@ from .codec import (
     rank_identity,
 )
 from .handshake import VllmHandshake
+from .kv_events import ExactIndex, KvEvents, peer_host
 
 __all__ = ["MASTER_PORTS", "VllmTransport", "moe_parallel_config", "open_vllm_transport"]
 
@@ -293,6 +295,18 @@ class VllmTransport(TransportBase):
         """Probes sent to dormant ranks."""
         self.resumptions = 0
         """Dormant ranks that came back (the same process answered)."""
+        self.kv = KvEvents(
+            self.context,
+            enabled=getattr(options, "routing", None) == "prefix"
+            and bool(getattr(options, "kv_events", True)),
+        )
+        """The ranks' KV-event tasks (exact prefix affinity: `kv_events.py`)."""
+        self._hosts: dict[int, str | None] = {}  # each rank's engine address, as seen here
+        self._url_host = (
+            url[len("tcp://") :].rpartition(":")[0].strip("[]")
+            if url.startswith("tcp://")
+            else None
+        )
 
     def _bind(self, kind: int, address: str, *, watched: bool = False) -> ZSocket:
         sock = self.context.socket(kind)
@@ -360,6 +374,7 @@ class VllmTransport(TransportBase):
                 self._dormant[rank] = _Dormant(outputs, secrets.randbits(64))
                 self.input.kick()
         self.state.forget(rank, epoch=epoch)
+        self.kv.rank_down(rank)
         self._hello_seen[rank] = False
         self._hello_due.pop(rank, None)
         self._watch.release(rank)
@@ -542,6 +557,20 @@ class VllmTransport(TransportBase):
 
     def _rank_up(self, rank: int) -> None:
         self._rank_is_up(rank, f"vLLM {self.state.version(rank)}")
+        if self.nursery is not None:  # (after the group took the new incarnation)
+            host = self._hosts.get(rank) or self._url_host
+            if host in (None, "", "*", "0.0.0.0", "::"):
+                host = "127.0.0.1"
+            self.kv.rank_up(self.nursery, rank, self.state.info(rank), host)
+
+    def attach_prefix(self, index: ExactIndex | None) -> None:
+        """The group's prefix index, once its core exists (None: no prefix routing):
+        the KV-event tasks apply what the engines publish to it."""
+        self.kv.attach(index)
+
+    def kv_event_counters(self) -> KvEventCounters:
+        """What the KV-event feeds of every rank incarnation have seen, summed."""
+        return self.kv.counters()
 
     def _on_input_message(self, frames: list[bytes], fd: int) -> None:
         """The engines' ready responses (`TransportBase.serve_input` reads them, with
@@ -554,6 +583,8 @@ class VllmTransport(TransportBase):
                 self._logs.log(logging.WARNING, "in", "input: from %s: %s", frames[0].hex(), exc)
                 return
             awaiting = self.state.awaits_response(frames[0])
+            if awaiting is not None:
+                self._hosts[awaiting] = peer_host(fd)  # where its KV events are
             if (rank := self.state.on_ready_response(frames[0], info)) is not None:
                 self._rank_up(rank)
             if awaiting is not None:
