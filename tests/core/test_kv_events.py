@@ -253,6 +253,32 @@ def test_a_late_start_asks_for_the_engines_first_messages() -> None:
     assert replay_request(5) == [b"", (5).to_bytes(8, "big")]
 
 
+def test_start_asks_for_everything_buffered_before_the_first_message() -> None:
+    """`start`: a replay from 0 before any message (the SUB joined late and the engine
+    went quiet); live messages meanwhile are held, duplicates ignored, a seq the
+    replay did not reach dropped; without a replay socket, or once started, nothing."""
+    assert KvEventFeed(0, block_size=2).start(0.0) == []
+    feed, index = KvEventFeed(0, block_size=2, replay=True), Index()
+    assert index.apply(feed.start(1.0)) == [AskReplay(0)]
+    assert feed.replaying and feed.deadline() == 3.0 and feed.start(1.0) == []
+    index.apply(feed.feed(frames(1, [stored([8], 7, [3, 4])]), 1.1))  # live, held
+    assert index.keys == set()
+    index.apply(feed.replayed(frames(0, [stored([7], None, [1, 2])])[:3], 1.2))
+    index.apply(feed.replayed(frames(1, [stored([8], 7, [3, 4])])[:3], 1.2))
+    index.apply(feed.replayed([b"", END_SEQ, b""], 1.3))
+    assert index.keys == set(chain([1, 2, 3, 4], 2)) and not feed.replaying
+    assert feed.counters.duplicates == 1 and feed.expected == 2 and not index.drops
+    feed, index = KvEventFeed(0, block_size=2, replay=True), Index()
+    index.apply(feed.start(0.0))
+    index.apply(feed.feed(frames(3, [stored([9], None, [5, 6])]), 0.1))
+    index.apply(feed.replayed(frames(0, [stored([7], None, [1, 2])])[:3], 0.2))
+    index.apply(feed.replayed([b"", END_SEQ, b""], 0.3))  # 1..2 never came
+    assert index.keys == set(chain([5, 6], 2)) and len(index.drops) == 1
+    feed = KvEventFeed(0, block_size=2, replay=True)
+    feed.feed(frames(0, [stored([7], None, [1, 2])]), 0.0)
+    assert feed.start(0.0) == []  # too late to start
+
+
 def test_one_batch_adds_at_most_its_cap_and_the_map_is_bounded() -> None:
     feed = KvEventFeed(0, block_size=1, max_blocks_per_batch=3, max_known_blocks=5)
     index = Index()

@@ -29,7 +29,8 @@ returns what they mean, as values:
 
 Sequence numbers: the first message sets the expected seq (if it is not 0 and the
 rank has a replay socket, the feed first asks for a replay from 0, since the engine
-counts from 0 at start). An older seq is a duplicate (ignored); a newer one is a gap: with a
+counts from 0 at start; `start` asks for it before any message, since a subscriber
+that joins late misses what came first). An older seq is a duplicate (ignored); a newer one is a gap: with a
 replay socket the feed asks for the missing range and holds live messages (bounded)
 until the replay's end marker or `replay_timeout` (`tick`), then applies them in
 order; what the replay did not cover becomes a `Dropped`. While a replay is under way
@@ -268,6 +269,17 @@ class KvEventFeed:
         return len(self._known)
 
     # -- input --------------------------------------------------------------------------
+
+    def start(self, now: float) -> list[KvEvent]:
+        """Before the first message, with a replay socket: ask for everything the engine
+        still buffers. A SUB misses what was published before it joined (ZeroMQ's slow
+        joiner), and an engine that is idle afterwards would publish nothing that
+        reveals the gap."""
+        if not self.replay or self._replay is not None or self.expected is not None:
+            return []
+        self.counters.replays += 1
+        self._replay = _Replay(0, now + self.replay_timeout)
+        return [AskReplay(0)]
 
     def feed(self, frames: Sequence[bytes], now: float) -> list[KvEvent]:
         """One message from the rank's PUB socket."""

@@ -44,7 +44,7 @@ import contextlib
 import logging
 import math
 import socket as _socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -130,9 +130,17 @@ class KvEvents:
     `rank_up` and `rank_down`; the group calls `attach` once its core exists (the
     tasks wait for it: what they read meanwhile stays queued in libzmq)."""
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], *, enabled: bool) -> None:
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        *,
+        enabled: bool,
+        replay_timeout: float = 2.0,
+    ) -> None:
         self.context = context
         self.enabled = enabled
+        self.replay_timeout = replay_timeout
+        """Seconds a replay may take before the rank's index is dropped instead."""
         """routing="prefix" and kv_events=True: follow the ranks that publish."""
         self.index: ExactIndex | None = None
         self._attached = trio.Event()
@@ -142,7 +150,7 @@ class KvEvents:
         self.followed = 0
         """Rank incarnations whose events were followed."""
         self.applied = 0
-        """Feed results applied to the index (a test waits on it: `wait_applied`)."""
+        """Feed results applied to the index."""
         self._changed = trio.Event()
 
     def attach(self, index: ExactIndex | None) -> None:
@@ -206,6 +214,7 @@ class KvEvents:
                 dp_rank=dp_rank if type(dp_rank) is int else rank,
                 replay=replay is not None,
                 max_known_blocks=known,
+                replay_timeout=self.replay_timeout,
             ),
             name=f"zmqdp-vllm-kv-events-{rank}",
         )
@@ -229,9 +238,10 @@ class KvEvents:
                 _add(total, follow.feed.counters)
         return total
 
-    async def wait_applied(self, count: int) -> None:
-        """Until `applied` >= `count` (tests)."""
-        while self.applied < count:
+    async def wait(self, predicate: Callable[[], bool]) -> None:
+        """Until `predicate()` holds, checked after every round a task applied something
+        (tests)."""
+        while not predicate():
             self._changed = trio.Event()
             await self._changed.wait()
 
@@ -261,6 +271,10 @@ class KvEvents:
                 incarnation = index.incarnation(rank)
                 feed = follow.feed = KvEventFeed(rank, **settings)
                 index.set_exact(rank, True, incarnation)
+                if dealer is not None:  # what was published before the SUB joined
+                    for event in feed.start(trio.current_time()):
+                        self._apply(rank, event, index, incarnation, dealer)
+                    index.hold(rank, feed.replaying, incarnation)
                 log.info("rank %d: following its KV events at %s (replay %s)", rank, pub, replay)
                 await self._serve(rank, feed, index, incarnation, sub, dealer)
             except (zmq.ZMQError, ValueError) as exc:
@@ -310,7 +324,7 @@ class KvEvents:
     ) -> None:
         """Read the rank's SUB (and replay DEALER) forever, applying what they say."""
         also = [] if dealer is None else [dealer]
-        held = False
+        held = feed.replaying
         while True:
             deadline = feed.deadline()
             with trio.move_on_at(math.inf if deadline is None else deadline):
@@ -327,10 +341,11 @@ class KvEvents:
                         feed.counters.junk += 1
             for event in events:
                 self._apply(rank, event, index, incarnation, dealer)
+            changed = bool(events)
             if feed.replaying != held:
-                held = feed.replaying
+                held, changed = feed.replaying, True
                 index.hold(rank, held, incarnation)
-            if events:
+            if changed:
                 self.applied += len(events)
                 self._changed.set()
             await trio.lowlevel.checkpoint()  # a flood yields once per batch

@@ -110,8 +110,8 @@ tokens are never cached (vLLM caches blocks they fill too), and a running reques
 blocks may be evicted (vLLM's are pinned while it runs).
 
 KV events (`kv_events`, a ``--kv-events-config`` map): the engine publishes its cache's
-changes as vLLM 0.32's `ZmqEventPublisher` does (docs/kv-events.md): a PUB at the
-endpoint offset by the rank (``*``/``::``/ipc: bound; ``tcp://*:0``: bound on
+changes as vLLM 0.32's `ZmqEventPublisher` does (docs/kv-events.md): a PUB (an XPUB, to count
+subscriptions: `kv_subscriptions`) at the endpoint offset by the rank (``*``/``::``/ipc: bound; ``tcp://*:0``: bound on
 ``VLLM_HOST_IP``, or 127.0.0.1, and the real address reported; a concrete address:
 connected), one ``[topic, seq, KVEventBatch]`` per step that changed the cache
 (`BlockRemoved` per evicted block, then `BlockStored`; the utility
@@ -501,7 +501,9 @@ class FakeVllmEngine:
         self._kv_events: list[dict[str, Any]] = []  # of the step under way
         self._kv_buffer: collections.deque[tuple[int, bytes]] = collections.deque()
         self._kv_out: collections.deque[list[bytes]] = collections.deque()
-        self._kv_kick = trio.Event()
+        self._kv_pub: ZSocket | None = None
+        self.kv_subscriptions = 0
+        """Subscriptions its KV-event PUB received."""
         self._prefilled = 0  # uncached prompt tokens of the last step
         self.dtype = "bfloat16"
         self.log_stats = group.log_stats
@@ -588,7 +590,9 @@ class FakeVllmEngine:
             return None, None
         endpoint = _offset(str(cfg.get("endpoint", "tcp://*:5557")), self.rank)
         replay_at = cfg.get("replay_endpoint")
-        pub, endpoint = self._kv_socket(zmq.PUB, endpoint)
+        pub, endpoint = self._kv_socket(zmq.XPUB, endpoint)
+        pub.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._kv_pub = pub
         replay = None
         if replay_at:
             replay, replay_at = self._kv_socket(zmq.ROUTER, _offset(str(replay_at), self.rank))
@@ -921,16 +925,22 @@ class FakeVllmEngine:
             self._kv_lose -= 1
             return
         self._kv_out.append([cfg["topic"].encode(), seq.to_bytes(8, "big"), payload])
-        self._kv_kick.set()
+        if self._kv_pub is not None:
+            self._kv_pub.kick()
 
     async def _serve_kv_pub(self, zs: ZSocket) -> None:
-        """Own the PUB: send what the steps queued (a PUB never blocks: past its
-        high-water mark it drops)."""
+        """Own the PUB: send what the steps queued (it never blocks: past its high-water
+        mark it drops). It is an XPUB, which subscribers cannot tell from vLLM's PUB,
+        so that tests can wait for a subscription (`kv_subscriptions`) instead of
+        losing the first batches to ZeroMQ's slow joiner."""
         while True:
+            for frames in zs.receive_nowait():
+                if frames and frames[0][:1] == b"\x01":
+                    self.kv_subscriptions += 1
+                    self._seen.set()
             while self._kv_out:
                 zs.send_nowait(self._kv_out.popleft())
-            self._kv_kick = trio.Event()
-            await self._kv_kick.wait()
+            await zs.wait_readable_or_kicked()
 
     async def _serve_kv_replay(self, zs: ZSocket) -> None:
         """Own the replay ROUTER (`_service_replay`): a 3-frame request gets every
