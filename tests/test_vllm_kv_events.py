@@ -266,20 +266,22 @@ async def test_junk_and_floods_are_bounded_and_never_end_the_task() -> None:
 async def test_a_rank_down_closes_its_task_and_a_stale_incarnation_changes_nothing() -> None:
     index = RefIndex()
     with trio.fail_after(20):
-        async with fakes(2, kv_events=REPLAY) as (group, fake, _):
-            async with follower(group, index) as (kv, nursery):
-                for r in (0, 1):
-                    await follow(kv, nursery, group, fake, r)
-                await run(group, "r0", prompt_of(0), rank=1)
-                await kv.wait(lambda: bool(index.of(1)))
-                index.inc[1] = 1  # the core took a new incarnation (the rank died)
-                kv.rank_down(1)
-                await kv.wait(lambda: not kv.following(1))
-                await run(group, "r1", prompt_of(1), rank=1)
-                await run(group, "r2", prompt_of(2), rank=0)
-                await kv.wait(lambda: bool(index.of(0)))
-                assert index.of(1) == keys_of(prompt_of(0))
-                assert kv.following(0) and not kv.following(1)
+        async with (
+            fakes(2, kv_events=REPLAY) as (group, fake, _),
+            follower(group, index) as (kv, nursery),
+        ):
+            for r in (0, 1):
+                await follow(kv, nursery, group, fake, r)
+            await run(group, "r0", prompt_of(0), rank=1)
+            await kv.wait(lambda: bool(index.of(1)))
+            index.inc[1] = 1  # the core took a new incarnation (the rank died)
+            kv.rank_down(1)
+            await kv.wait(lambda: not kv.following(1))
+            await run(group, "r1", prompt_of(1), rank=1)
+            await run(group, "r2", prompt_of(2), rank=0)
+            await kv.wait(lambda: bool(index.of(0)))
+            assert index.of(1) == keys_of(prompt_of(0))
+            assert kv.following(0) and not kv.following(1)
 
 
 async def test_endpoints_with_a_wildcard_host_and_hostile_endpoints() -> None:
@@ -293,7 +295,7 @@ async def test_endpoints_with_a_wildcard_host_and_hostile_endpoints() -> None:
                 info = group.engines[0].info
                 assert info["kv_events_config"]["endpoint"] == f"tcp://*:{port}"
                 async with follower(group, index) as (kv, nursery):
-                    assert kv.rank_up(nursery, 0, info, "127.0.0.1")
+                    await follow(kv, nursery, group, fake, 0)
                     await run(group, "r0", prompt_of(0), rank=0)
                     await kv.wait(lambda: bool(index.of(0)))
                     bad = {**info, "kv_events_config": {**KV, "endpoint": "inproc://x"}}

@@ -110,18 +110,18 @@ tokens are never cached (vLLM caches blocks they fill too), and a running reques
 blocks may be evicted (vLLM's are pinned while it runs).
 
 KV events (`kv_events`, a ``--kv-events-config`` map): the engine publishes its cache's
-changes as vLLM 0.32's `ZmqEventPublisher` does (docs/kv-events.md): a PUB (an XPUB, to count
-subscriptions: `kv_subscriptions`) at the endpoint offset by the rank (``*``/``::``/ipc: bound; ``tcp://*:0``: bound on
-``VLLM_HOST_IP``, or 127.0.0.1, and the real address reported; a concrete address:
-connected), one ``[topic, seq, KVEventBatch]`` per step that changed the cache
-(`BlockRemoved` per evicted block, then `BlockStored`; the utility
-``reset_prefix_cache`` publishes `AllBlocksCleared`), seq from 0, the last
-``buffer_steps`` batches kept for the replay ROUTER (``[id, b"", start]`` in, each
-batch from `start` and the END marker out), and the resolved config in the ready
-response's ``kv_events_config``. Faults: `kv_lose(n)` (the next n batches are
+changes as vLLM 0.32's `ZmqEventPublisher` does (docs/kv-events.md): a PUB (an XPUB, to
+count subscriptions: `kv_subscriptions`) at the endpoint offset by the rank
+(``*``/``::``/ipc: bound; ``tcp://*:0``: bound on ``VLLM_HOST_IP``, or 127.0.0.1, and
+the real address reported; a concrete address: connected), one ``[topic, seq,
+KVEventBatch]`` per step that changed the cache (`BlockRemoved` per evicted block, then
+`BlockStored`; the utility ``reset_prefix_cache`` publishes `AllBlocksCleared`), seq
+from 0, the last ``buffer_steps`` batches kept for the replay ROUTER (``[id, b"",
+start]`` in, each batch from `start` and the END marker out), and the resolved config in
+the ready response's ``kv_events_config``. Faults: `kv_lose(n)` (the next n batches are
 counted and buffered but not sent: a PUB past its high-water mark), `kv_replay_mute`
-(the replay socket never answers), `publish_kv(events)` (any events, true or not, as
-the next batch).
+(the replay socket never answers), `publish_kv(events)` (any events, true or not, as the
+next batch).
 
 Not modelled: chunked prefill and the token budget,
 preemption, several frontends (the engine uses the init's first input and output
