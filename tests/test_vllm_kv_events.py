@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -339,3 +339,171 @@ def test_peer_host() -> None:
     finally:
         for s in (client, server, listener):
             s.close()
+
+
+# -- the whole group: routing="prefix" with KV events ---------------------------------
+
+
+@asynccontextmanager
+async def prefix_group(
+    n: int, *, kv_events: bool = True, **fake_kw: Any
+) -> AsyncIterator[tuple[VllmGroup, FakeVllmGroup, KvEvents]]:
+    """`n` fakes publishing KV events (with a replay socket unless `fake_kw` says
+    otherwise) behind a group with prefix routing; every rank followed and subscribed
+    (when `kv_events`)."""
+    fake_kw.setdefault("kv_events", REPLAY)
+    d = tempfile.mkdtemp(prefix="zkv", dir="/tmp")
+    fake = FakeVllmGroup(f"ipc://{d}/hs", n, **fake_kw)
+    try:
+        async with trio.open_nursery() as nursery:
+            fake.nursery = nursery
+            for e in fake.engines:
+                nursery.start_soon(e.run)
+            async with zmqdp.vllm.connect(
+                fake.url, n, ready_timeout=5.0, routing="prefix", kv_events=kv_events
+            ) as group:
+                kv: KvEvents = group._transport.kv  # type: ignore[attr-defined]
+                if kv_events:
+                    for e in fake.engines:
+                        await e.wait_for(lambda e=e: e.kv_subscriptions > 0)
+                    await kv.wait(lambda: kv.counters().replays == n)  # the start replays
+                yield group, fake, kv
+            nursery.cancel_scope.cancel()
+    finally:
+        fake.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def prefix_index(group: VllmGroup) -> Any:
+    index = group._core.prefix  # type: ignore[attr-defined]
+    assert index is not None
+    return index
+
+
+async def submit_and_rank(group: VllmGroup, rid: str, prompt: list[int]) -> int:
+    request = VllmRequest(rid, prompt, SamplingParams(max_tokens=2))
+    async with group.submit(request) as stream:
+        async for _ in stream:
+            pass
+        assert stream.rank is not None
+        return stream.rank
+
+
+async def test_the_exact_index_fills_from_the_engines_events_and_a_follow_up_goes_there() -> None:
+    with trio.fail_after(20):
+        async with prefix_group(2) as (group, fake, kv):
+            index = prefix_index(group)
+            assert [index.is_exact(r) for r in (0, 1)] == [True, True]
+            system = prompt_of(7, 64)  # 4 blocks of 16
+            first = await submit_and_rank(group, "t1", [*system, 1, 2, 3])
+            # the engine's BlockStored makes its blocks exact entries of that rank
+            await kv.wait(lambda: index.stored(first) == 4)
+            assert index.stored(1 - first) == 0
+            for n in range(2, 5):  # turns of one session stay where their prefix is
+                turn = [*system, *range(100, 100 + 16 * n)]
+                assert await submit_and_rank(group, f"t{n}", turn) == first
+            engine = fake.engines[first]
+            assert engine.cache_hits >= 3 * 64  # num_cached_tokens: true, and hits
+            assert fake.engines[1 - first].cache_hits == 0
+            stats = group.statistics().prefix
+            assert stats is not None and stats.exact_ranks == (0, 1)
+            assert stats.kv_events["stored"] == index.stored(first) > 4
+            assert stats.kv_events["junk"] == 0 and stats.kv_events["replays"] == 2
+
+
+async def test_a_cleared_cache_empties_the_rank_and_without_kv_events_it_is_approximate() -> None:
+    with trio.fail_after(20):
+        async with prefix_group(1) as (group, fake, kv):
+            index = prefix_index(group)
+            await submit_and_rank(group, "a", prompt_of(1, 64))
+            await kv.wait(lambda: index.stored(0) == 4)
+            fake.engines[0].reset_prefix_cache()  # AllBlocksCleared
+            await kv.wait(lambda: index.stored(0) == 0)
+            assert group.statistics().prefix.kv_events["cleared"] == 1  # type: ignore[union-attr]
+        async with prefix_group(1, kv_events=False) as (group, fake, kv):
+            index = prefix_index(group)
+            await submit_and_rank(group, "a", prompt_of(1, 64))
+            assert not kv.following(0) and not index.is_exact(0)
+            assert index.blocks(0) == 4 and index.stored(0) == 0  # predicted, approximate
+
+
+async def test_a_dead_rank_forgets_its_exact_index_and_its_new_incarnation_is_followed() -> None:
+    with trio.fail_after(20):
+        async with prefix_group(2) as (group, fake, kv):
+            index = prefix_index(group)
+            await submit_and_rank(group, "a", prompt_of(1, 64))
+            await submit_and_rank(group, "b", prompt_of(2, 64))
+            await kv.wait(lambda: index.stored(0) == index.stored(1) == 4)
+            before = index.incarnation(1)
+            fake.engines[1].vanish()
+            await group.rank_state(1).wait_value(zmqdp.RankState.DOWN)
+            assert index.blocks(1) == 0 and index.incarnation(1) > before
+            assert not kv.following(1) and kv.following(0)
+            engine = fake.restart(1)
+            fake.nursery.start_soon(engine.run)  # type: ignore[union-attr]
+            await group.rank_state(1).wait_value(zmqdp.RankState.UP)
+            await engine.wait_for(lambda: engine.kv_subscriptions > 0)
+            assert kv.following(1) and index.is_exact(1)
+            assert index.stored(0) == 4  # the other rank's index untouched
+
+
+async def test_a_lying_engine_draws_no_more_than_the_band_and_its_flood_stays_capped() -> None:
+    """Rank 1 claims (BlockStored) every block of a prompt it never served, then floods
+    claims; requests for that prompt pile up (the engines are frozen): rank 1 gets at
+    most what the load band allows, and the index stays within its caps."""
+    with trio.fail_after(30):
+        async with prefix_group(2, num_gpu_blocks=2048) as (group, fake, kv):
+            index = prefix_index(group)
+            prompt = prompt_of(9, 256)  # 16 blocks
+            liar = fake.engines[1]
+            hashes = list(range(1, 17))
+            liar.publish_kv(
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": hashes,
+                        "parent_block_hash": None,
+                        "token_ids": prompt,
+                        "block_size": 16,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                    }
+                ]
+            )
+            await kv.wait(lambda: index.stored(1) == 16)
+            for e in fake.engines:
+                e.freeze()  # requests stay in flight: the loads grow
+            counts = [0, 0]
+            async with AsyncExitStack() as streams:
+                for i in range(24):
+                    request = VllmRequest(f"r{i}", [*prompt, i], SamplingParams(max_tokens=2))
+                    stream = await streams.enter_async_context(group.submit(request))
+                    assert stream.rank is not None
+                    counts[stream.rank] += 1
+                    # the band: 25 % over the least loaded rank, plus 2 requests
+                    assert counts[1] <= counts[0] * 1.25 + 3, counts
+                assert counts[0] >= 8  # the liar did not take everything
+                for n in range(8):  # the flood: 8 x 4096 more claimed blocks
+                    liar.publish_kv(
+                        [
+                            {
+                                "type": "BlockStored",
+                                "block_hashes": list(
+                                    range(10**6 * (n + 1), 10**6 * (n + 1) + 4096)
+                                ),
+                                "parent_block_hash": None,
+                                "token_ids": [n] * (4096 * 16),
+                                "block_size": 16,
+                                "lora_id": None,
+                                "medium": "GPU",
+                                "lora_name": None,
+                            }
+                        ]
+                    )
+                await kv.wait(lambda: kv.counters().batches >= 1 + 8 + 0)
+                assert index.blocks(1) <= index.limit(1) == 2048  # its own capacity
+                assert index.total <= index.max_blocks
+                for e in fake.engines:
+                    e.frozen = False
+                    e.changed.set()

@@ -152,11 +152,14 @@ class KvEvents:
         self.applied = 0
         """Feed results applied to the index."""
         self._changed = trio.Event()
+        self._totals: dict[str, int] | None = None
 
-    def attach(self, index: ExactIndex | None) -> None:
+    def attach(self, index: ExactIndex | None, totals: dict[str, int] | None = None) -> None:
         """The group's prefix index (None: the group does not route by prefix, and no
-        task ever starts)."""
+        task ever starts), and where to keep the feeds' counters, summed
+        (`GroupCore.kv_events`)."""
         self.index = index
+        self._totals = totals
         if index is None:
             self.enabled = False
             for rank in list(self._follows):
@@ -238,6 +241,15 @@ class KvEvents:
                 _add(total, follow.feed.counters)
         return total
 
+    def _publish_counters(self) -> None:
+        totals = self._totals
+        if totals is not None:
+            counters = self.counters()
+            for f in fields(counters):
+                value = getattr(counters, f.name)
+                if type(value) is int:
+                    totals[f.name] = value
+
     async def wait(self, predicate: Callable[[], bool]) -> None:
         """Until `predicate()` holds, checked after every round a task applied something
         (tests)."""
@@ -294,6 +306,7 @@ class KvEvents:
                 if follow.feed is not None:
                     _add(self._done, follow.feed.counters)
                     follow.feed = None
+                    self._publish_counters()
                 if index is not None and incarnation is not None:
                     index.hold(rank, False, incarnation)
                     index.drop(rank, incarnation)
@@ -347,6 +360,7 @@ class KvEvents:
                 index.hold(rank, held, incarnation)
             if changed:
                 self.applied += len(events)
+                self._publish_counters()
                 self._changed.set()
             await trio.lowlevel.checkpoint()  # a flood yields once per batch
 

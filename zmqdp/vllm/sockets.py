@@ -297,8 +297,7 @@ class VllmTransport(TransportBase):
         """Dormant ranks that came back (the same process answered)."""
         self.kv = KvEvents(
             self.context,
-            enabled=getattr(options, "routing", None) == "prefix"
-            and bool(getattr(options, "kv_events", True)),
+            enabled=options.routing == "prefix" and options.kv_events,
         )
         """The ranks' KV-event tasks (exact prefix affinity: `kv_events.py`)."""
         self._hosts: dict[int, str | None] = {}  # each rank's engine address, as seen here
@@ -563,10 +562,11 @@ class VllmTransport(TransportBase):
                 host = "127.0.0.1"
             self.kv.rank_up(self.nursery, rank, self.state.info(rank), host)
 
-    def attach_prefix(self, index: ExactIndex | None) -> None:
+    def attach_prefix(self, index: ExactIndex | None, totals: dict[str, int]) -> None:
         """The group's prefix index, once its core exists (None: no prefix routing):
-        the KV-event tasks apply what the engines publish to it."""
-        self.kv.attach(index)
+        the KV-event tasks apply what the engines publish to it, and keep their
+        counters, summed, in `totals`."""
+        self.kv.attach(index, totals)
 
     def kv_event_counters(self) -> KvEventCounters:
         """What the KV-event feeds of every rank incarnation have seen, summed."""
