@@ -474,13 +474,17 @@ async def test_a_lying_engine_draws_no_more_than_the_band_and_its_flood_stays_ca
             await kv.wait(lambda: index.stored(1) == 16)
             for e in fake.engines:
                 e.freeze()  # requests stay in flight: the loads grow
-            counts = [0, 0]
+            counts = [0, 1]
             async with AsyncExitStack() as streams:
+                pinned = VllmRequest("pinned", [1, 2], SamplingParams(max_tokens=2), rank=1)
+                await streams.enter_async_context(group.submit(pinned))
                 for i in range(24):
                     request = VllmRequest(f"r{i}", [*prompt, i], SamplingParams(max_tokens=2))
                     stream = await streams.enter_async_context(group.submit(request))
                     assert stream.rank is not None
                     counts[stream.rank] += 1
+                    if i == 0:  # loads 0 and 1: only the claim makes it rank 1
+                        assert stream.rank == 1
                     # the band: 25 % over the least loaded rank, plus 2 requests
                     assert counts[1] <= counts[0] * 1.25 + 3, counts
                 assert counts[0] >= 8  # the liar did not take everything
