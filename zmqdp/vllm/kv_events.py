@@ -170,6 +170,11 @@ class KvEvents:
         """A task follows `rank`'s events."""
         return rank in self._follows
 
+    def live(self, rank: int) -> bool:
+        """`rank`'s events are followed and applied as they come (no replay under way)."""
+        follow = self._follows.get(rank)
+        return follow is not None and follow.feed is not None and not follow.feed.replaying
+
     def rank_up(
         self, nursery: trio.Nursery, rank: int, info: Mapping[str, Any], host: str | None
     ) -> bool:

@@ -27,6 +27,13 @@ vLLM's socket map (`vllm/v1/engine/core_client.py`, `core.py`, `coordinator.py`)
   coordinator output (stats, ``wave_complete``, ``start_wave``) is its own output
   PULL: those messages reach the one dispatcher, in the stream it already reads.
 
+* with ``routing="prefix"`` and ``kv_events=True``, per rank whose ready response
+  enables KV events, a SUB and a replay DEALER, owned by that rank incarnation's task
+  in `kv_events.py` (started when the rank is up, after the group took the new
+  incarnation; cancelled when it is forgotten). The group attaches its prefix index
+  (`attach_prefix`) once its core exists; a wildcard endpoint host is replaced by the
+  peer address of the input connection the rank's ready response came on.
+
 **Dormant ranks** (dense groups). A vLLM engine does its handshake once per process,
 so a rank declared dead while its process lives (a stall longer than the heartbeat
 timeout: the client drops its input connection; or the silence rule) used to be lost
