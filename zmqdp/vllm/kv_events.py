@@ -30,12 +30,13 @@ starts late (the PUB drops what was published before the SUB joined) replays fro
 
 Nothing an engine sends can crash the group or grow memory without bound: a message
 over `MAX_MESSAGE` bytes ends the SUB's connection (libzmq's MAXMSGSIZE; it reconnects,
-and the gap is replayed or the rank's index dropped), the SUB queues at most
+and the gap is replayed or the rank's index dropped), each socket queues at most
 `RCVHWM` messages, the feed counts junk and caps what one batch and its map can hold,
 the index caps a rank's blocks and the group's, and an unexpected error ends only that
-rank's task (logged; the rank's index dropped). A task reads at most `BATCH` messages
-before it yields, so an engine that floods its events slows the group's event loop by
-one batch at a time at most. Logs of what engines cause are rate-limited.
+rank's task (logged; the rank's index dropped). A task yields after `BATCH` messages
+or `YIELD_BLOCKS` blocks, so an engine that floods its events holds the group's event
+loop for one message's blocks at a time at most (a batch is capped at 4096). Logs of
+what engines cause are rate-limited.
 """
 
 from __future__ import annotations
@@ -65,16 +66,30 @@ from .._core.kv_events import (
 from .._util import LogLimiter
 from .._zmq import ZSocket
 
-__all__ = ["BATCH", "MAX_MESSAGE", "RCVHWM", "ExactIndex", "KvEvents", "peer_host"]
+__all__ = [
+    "BATCH",
+    "MAX_MESSAGE",
+    "RCVHWM",
+    "YIELD_BLOCKS",
+    "ExactIndex",
+    "KvEvents",
+    "peer_host",
+]
 
 log = logging.getLogger("zmqdp.vllm.kv_events")
 
-MAX_MESSAGE = (4 << 20) + 4096
-"""The SUB's and DEALER's MAXMSGSIZE: the feed's payload cap and room for the topic."""
-RCVHWM = 10_000
-"""Messages a rank's SUB queues while its task is busy (libzmq drops past it: a gap)."""
+MAX_MESSAGE = 1 << 20
+"""The SUB's and DEALER's MAXMSGSIZE. A real batch is a few KB to a few hundred (one
+engine step's blocks); libzmq ends the connection of a peer that sends more (the SUB
+reconnects: a gap)."""
+RCVHWM = 1000
+"""Messages a rank's SUB (and DEALER) queues while its task is busy (libzmq drops past
+it: a gap): with `MAX_MESSAGE`, at most about 1 GiB per socket whatever an engine
+sends, as the output socket's bound (`_transport.output_hwm`)."""
 BATCH = 64
 """Messages a task reads before it yields to the rest of the group."""
+YIELD_BLOCKS = 1024
+"""Blocks (about 4 ms of hashing) a task applies before it yields."""
 MAX_KNOWN_BLOCKS = 1 << 20
 """The most engine block hashes one feed remembers (at most twice the rank's
 ``num_gpu_blocks`` too)."""
@@ -153,6 +168,7 @@ class KvEvents:
         """Feed results applied to the index."""
         self._changed = trio.Event()
         self._totals: dict[str, int] | None = None
+        self._held: dict[int, bool] = {}  # per rank: `hold` in force
 
     def attach(self, index: ExactIndex | None, totals: dict[str, int] | None = None) -> None:
         """The group's prefix index (None: the group does not route by prefix, and no
@@ -340,34 +356,61 @@ class KvEvents:
         sub: ZSocket,
         dealer: ZSocket | None,
     ) -> None:
-        """Read the rank's SUB (and replay DEALER) forever, applying what they say."""
+        """Read the rank's SUB (and replay DEALER) forever, applying what they say,
+        yielding after every `YIELD_BLOCKS` blocks and every `BATCH` messages."""
         also = [] if dealer is None else [dealer]
-        held = feed.replaying
+        self._held[rank] = feed.replaying
         while True:
             deadline = feed.deadline()
             with trio.move_on_at(math.inf if deadline is None else deadline):
                 await sub.wait_readable_or_kicked(also)
-            now = trio.current_time()
-            events = feed.tick(now)
-            for frames in sub.receive_nowait(BATCH):
-                events += feed.feed(frames, now)
+            self._round(rank, feed, index, incarnation, dealer, feed.tick(trio.current_time()))
+            blocks = 0
+            messages = [(True, frames) for frames in sub.receive_nowait(BATCH)]
             if dealer is not None:
-                for frames in dealer.receive_nowait(BATCH):
-                    if frames and frames[0] == b"":
-                        events += feed.replayed(frames[1:], now)
-                    else:
-                        feed.counters.junk += 1
-            for event in events:
-                self._apply(rank, event, index, incarnation, dealer)
-            changed = bool(events)
-            if feed.replaying != held:
-                held, changed = feed.replaying, True
-                index.hold(rank, held, incarnation)
-            if changed:
-                self.applied += len(events)
-                self._publish_counters()
-                self._changed.set()
-            await trio.lowlevel.checkpoint()  # a flood yields once per batch
+                messages += [(False, frames) for frames in dealer.receive_nowait(BATCH)]
+            for live, frames in messages:
+                now = trio.current_time()
+                if live:
+                    events = feed.feed(frames, now)
+                elif frames and frames[0] == b"":
+                    events = feed.replayed(frames[1:], now)
+                else:
+                    feed.counters.junk += 1
+                    continue
+                blocks += self._round(rank, feed, index, incarnation, dealer, events)
+                if blocks >= YIELD_BLOCKS:
+                    blocks = 0
+                    await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint()  # a flood yields once per batch at least
+
+    def _round(
+        self,
+        rank: int,
+        feed: KvEventFeed,
+        index: ExactIndex,
+        incarnation: int,
+        dealer: ZSocket | None,
+        events: list[KvEvent],
+    ) -> int:
+        """Apply `events` and the feed's replay state (a replaying rank is held at once:
+        its index may hold blocks evicted in the missing range). Returns the blocks
+        they named."""
+        blocks = 0
+        for event in events:
+            self._apply(rank, event, index, incarnation, dealer)
+            if isinstance(event, Stored | Removed):
+                blocks += len(event.keys)
+        changed = bool(events)
+        if feed.replaying != self._held.get(rank, False):
+            self._held[rank] = feed.replaying
+            index.hold(rank, feed.replaying, incarnation)
+            changed = True
+        if changed:
+            self.applied += len(events)
+            self._publish_counters()
+            self._changed.set()
+        return blocks
 
     def _apply(
         self,
