@@ -11,7 +11,11 @@ from typing import Any
 
 import cbor2
 import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
 
+from tests.models import mutants
+from tests.models.prefix import PrefixRoutingMachine
 from zmqdp import Request
 from zmqdp._core.errors import InvalidRequest
 from zmqdp._core.handshake import RankUp, rank_identity
@@ -274,3 +278,36 @@ def test_a_lockstep_cores_pending_prefill_ends_at_the_first_output() -> None:
     c.on_output([rank_identity(sub.rank), body], 2.0)
     assert c.take_effects().deliveries  # delivered: its prefill is done
     assert c.routing.prefill_pending(sub.rank) == 0 and not c.routing.prefilling
+
+
+# -- the prefix path against its rules (tests/models/prefix.py) -------------------------
+
+TestPrefixRouting = PrefixRoutingMachine.TestCase
+TestPrefixRouting.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+HUNT = settings(
+    max_examples=1000,
+    stateful_step_count=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    report_multiple_bugs=False,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # catching, not shrinking
+)
+
+
+@pytest.mark.parametrize(
+    ("variant", "caught_by"),
+    [
+        (mutants.UnbandedPrefixRouting, "out of the band"),
+        (mutants.NoFallbackPrefixRouting, "nothing cached in the band"),
+        (mutants.UnindexedRouting, "of the prompt's"),
+        (mutants.PrefillLeakRouting, "pending drifted|outlived"),
+    ],
+)
+def test_prefix_routing_machine_catches(variant: type[Routing], caught_by: str) -> None:
+    machine = type(
+        f"PrefixRoutingWith{variant.__name__}", (PrefixRoutingMachine,), {"routing_cls": variant}
+    )
+    with pytest.raises(AssertionError, match=caught_by):
+        run_state_machine_as_test(machine, settings=HUNT)
