@@ -98,17 +98,29 @@ MAX_KNOWN_BLOCKS = 1 << 20
 class ExactIndex(Protocol):
     """What the KV tasks use of `zmqdp._core.prefix.PrefixIndex` (its exact mode)."""
 
-    def incarnation(self, rank: int) -> int: ...
+    def incarnation(self, rank: int) -> int:
+        """The rank's current incarnation (calls naming another are ignored)."""
+        ...
 
-    def store(self, rank: int, keys: list[int], incarnation: int) -> None: ...
+    def store(self, rank: int, keys: list[int], incarnation: int) -> None:
+        """The engine holds these blocks (BlockStored, our keys)."""
+        ...
 
-    def remove(self, rank: int, keys: list[int], incarnation: int) -> None: ...
+    def remove(self, rank: int, keys: list[int], incarnation: int) -> None:
+        """The engine evicted these blocks (BlockRemoved)."""
+        ...
 
-    def drop(self, rank: int, incarnation: int) -> None: ...
+    def drop(self, rank: int, incarnation: int) -> None:
+        """Forget every block of the rank (AllBlocksCleared, or the feed lost track)."""
+        ...
 
-    def hold(self, rank: int, held: bool, incarnation: int) -> None: ...
+    def hold(self, rank: int, held: bool, incarnation: int) -> None:
+        """While held (a replay under way), the rank counts as caching nothing."""
+        ...
 
-    def set_exact(self, rank: int, on: bool, incarnation: int) -> None: ...
+    def set_exact(self, rank: int, on: bool, incarnation: int) -> None:
+        """The rank's events are live (or no longer are)."""
+        ...
 
 
 def peer_host(fd: int) -> str | None:
@@ -251,6 +263,7 @@ class KvEvents:
             follow.scope.cancel()
 
     def close(self) -> None:
+        """End every task (their sockets close as they end)."""
         for rank in list(self._follows):
             self.rank_down(rank)
 
