@@ -117,6 +117,46 @@ async def test_serve_vllm_fronts_the_mock_with_the_command_it_prints(tmp_path: P
         assert mock_proc.returncode == 0  # SIGTERM: a clean exit
 
 
+async def test_serve_routing_prefix_follows_the_mocks_kv_events(tmp_path: Path) -> None:
+    """`zmqdp mock --wire vllm --kv-events-config ...` publishes KV events as vLLM's
+    engines do, and `serve --routing prefix` follows them (the exact mode): a repeated
+    long prompt goes back to the rank that stored it, a hit counted by both sides."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": "tcp://*:0",
+        "replay_endpoint": "tcp://*:0",
+    }
+    mock = [sys.executable, "-m", "zmqdp", "mock", "--wire", "vllm", "--url", url]
+    mock += ["--step-time", "0.001", "--kv-events-config", json.dumps(config)]
+    with trio.fail_after(90):
+        async with process(mock, tmp_path) as (_, mock_out):
+            command = await mock_out.until(lambda line: " serve --vllm " in line)
+            port = free_port()
+            serve = [sys.executable, *shlex.split(command)[1:], "--port", str(port)]
+            serve += ["--routing", "prefix"]
+            async with process(serve, tmp_path) as (_, serve_out):
+                base = f"http://127.0.0.1:{port}"
+                await serve_out.until(lambda line: base in line)
+                async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                    prompt = "the quick brown fox jumps over the lazy dog " * 8
+                    body = {"model": MOCK_MODEL, "prompt": prompt, "max_tokens": 2}
+                    first = await client.post("/v1/completions", json=body)
+                    assert first.status_code == 200, first.text
+                    rank = first.headers["x-data-parallel-rank"]
+                    while True:  # until the engine's BlockStored reached the index
+                        metrics = (await client.get("/metrics")).text
+                        if f'zmqdp_prefix_blocks{{rank="{rank}"}} 0.0' not in metrics:
+                            break
+                        await trio.sleep(0.01)
+                    again = await client.post("/v1/completions", json=body)
+                    assert again.headers["x-data-parallel-rank"] == rank
+                    metrics = (await client.get("/metrics")).text
+    assert 'zmqdp_prefix_exact{rank="0"} 1.0' in metrics, metrics
+    assert 'zmqdp_prefix_exact{rank="1"} 1.0' in metrics
+    assert "zmqdp_prefix_hits_total 1.0" in metrics
+
+
 async def check_answers(client: httpx.AsyncClient) -> None:
     """Completions, chat and a stream over the fakes: the model's tokenizer, its chat
     template, its EOS (the mock's ``--eos-after 128``), stop strings, and a client's
@@ -195,6 +235,10 @@ def test_the_shipped_model_fits_aiperfs_default_run() -> None:
         (["--ranks", "0,5"], "--ranks: each rank must be from 0 to 1"),
         (["--model", "/nonexistent"], "no tokenizer.json in /nonexistent"),
         (["--eos-after", "-1"], "--eos-after"),
+        (["--kv-events-config", "{"], "--kv-events-config: not JSON"),
+        (["--kv-events-config", "[1]"], "--kv-events-config: a JSON object"),
+        (["--block-size", "0"], "--block-size"),
+        (["--prefill-us-per-token", "-1"], "--prefill-us-per-token"),
     ],
 )
 def test_a_wrong_option_is_one_line_and_status_2(

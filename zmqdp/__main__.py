@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import shlex
 import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -139,6 +140,35 @@ def _mock_parser(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument(
         "--vllm-version", choices=("0.32", "0.33"), default="0.33", help="the wire played"
     )
+    vllm.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (vLLM's --block-size)"
+    )
+    vllm.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=27000,
+        help="KV blocks per engine: its prefix cache's capacity",
+    )
+    vllm.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="no prefix cache (vLLM's --no-enable-prefix-caching): num_cached_tokens is 0",
+    )
+    vllm.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="microseconds of prefill per uncached prompt token (so cache hits show in TTFT)",
+    )
+    vllm.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV events as vLLM's engines do with this --kv-events-config, e.g. "
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"} (the exact mode of serve --routing prefix)',
+    )
 
 
 def mock_banner(
@@ -264,7 +294,25 @@ VLLM_ONLY = {
     "eos_after": VLLM_MOCK_EOS_AFTER,
     "moe": False,
     "vllm_version": "0.33",
+    "block_size": 16,
+    "num_gpu_blocks": 27000,
+    "no_prefix_cache": False,
+    "prefill_us_per_token": 0.0,
+    "kv_events_config": None,
 }
+
+
+def _kv_events_config(text: str | None) -> dict[str, Any] | None:
+    """`--kv-events-config`: vLLM's JSON form (a JSON object; ValueError otherwise)."""
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--kv-events-config: not JSON ({exc.msg})") from None
+    if not isinstance(config, dict):
+        raise ValueError("--kv-events-config: a JSON object, as vLLM's")
+    return config
 
 
 def _wire_problem(args: argparse.Namespace) -> str | None:
@@ -345,6 +393,11 @@ def run_vllm_mock(args: argparse.Namespace) -> int:
             )
         if args.eos_after < 0:
             raise ValueError("--eos-after: 0 (never) or more")
+        if args.block_size < 1 or args.num_gpu_blocks < 1:
+            raise ValueError("--block-size and --num-gpu-blocks: at least 1")
+        if args.prefill_us_per_token < 0:
+            raise ValueError("--prefill-us-per-token: 0 or more")
+        kv_events = _kv_events_config(args.kv_events_config)
     except ValueError as exc:
         print(f"zmqdp mock: error: {exc}", file=sys.stderr)
         return 2
@@ -360,6 +413,11 @@ def run_vllm_mock(args: argparse.Namespace) -> int:
         version=args.vllm_version,
         max_num_seqs=256 if args.max_num_seqs is None else args.max_num_seqs,
         eos_after=args.eos_after or None,
+        prefix_cache=not args.no_prefix_cache,
+        prefill_per_token=args.prefill_us_per_token / 1e6,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        kv_events=kv_events,
         **settings,
     )
     stopped: dict[int, str] = {}
