@@ -311,3 +311,59 @@ def test_prefix_routing_machine_catches(variant: type[Routing], caught_by: str) 
     )
     with pytest.raises(AssertionError, match=caught_by):
         run_state_machine_as_test(machine, settings=HUNT)
+
+
+# -- token ids as hosts have them (hostile review) ---------------------------------------
+
+
+class _ArrayLike:
+    """numpy's ndarray as `check_tokens` sees it: sized, iterable and indexable, of
+    integer-likes, but no registered `collections.abc.Sequence`."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self) -> Any:
+        return (_Index(v) for v in self.values)
+
+    def __getitem__(self, i: int) -> _Index:
+        return _Index(self.values[i])
+
+
+def test_array_like_tokens_become_ints_on_both_wires() -> None:
+    """A tokenizer's numpy array was refused as 'not a sequence' on the native wire
+    and raised a bare ValueError (truth value of an array) on vLLM's."""
+    from zmqdp.vllm import VllmRequest
+    from zmqdp.vllm.wire import VllmWire
+
+    native = NativeWire().prepare(Request("a", tokens=_ArrayLike([5, 6])), [], 0.0)  # type: ignore[arg-type]
+    assert native.prefix == ([5, 6], 0)
+    wire = VllmWire()
+    prepared = wire.prepare(VllmRequest("b", _ArrayLike([1, 2, 3])), [{"max_model_len": 99}], 0.0)  # type: ignore[arg-type]
+    assert prepared.prefix == ([1, 2, 3], 0)
+    assert prepared.body[0].prompt_token_ids == [1, 2, 3]  # what the ADD carries: ints
+    wire.encode_add("w", prepared.body, 0)  # msgpack takes them
+
+
+def test_numpy_tokens_become_ints() -> None:
+    np = pytest.importorskip("numpy")
+    prepared = NativeWire().prepare(Request("a", tokens=np.arange(3)), [], 0.0)
+    assert prepared.prefix == ([0, 1, 2], 0) and type(prepared.prefix[0][0]) is int
+    with pytest.raises(InvalidRequest, match=r"'a'.*holds"):
+        NativeWire().prepare(Request("a", tokens=np.arange(4).reshape(2, 2)), [], 0.0)
+
+
+@pytest.mark.parametrize("tokens", [(i for i in range(3)), "abc", {1: 2}, 7])
+def test_vllm_prompt_token_ids_of_the_wrong_kind_are_refused_naming_the_request(
+    tokens: Any,
+) -> None:
+    """A generator made prepare raise a bare TypeError (len), naming no request."""
+    from zmqdp.vllm import VllmRequest
+    from zmqdp.vllm.wire import VllmWire
+
+    with pytest.raises(InvalidRequest) as info:
+        VllmWire().prepare(VllmRequest("req-9", tokens), [{"max_model_len": 99}], 0.0)
+    assert "req-9" in str(info.value) and "prompt_token_ids" in str(info.value)
