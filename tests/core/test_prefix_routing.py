@@ -367,3 +367,22 @@ def test_vllm_prompt_token_ids_of_the_wrong_kind_are_refused_naming_the_request(
     with pytest.raises(InvalidRequest) as info:
         VllmWire().prepare(VllmRequest("req-9", tokens), [{"max_model_len": 99}], 0.0)
     assert "req-9" in str(info.value) and "prompt_token_ids" in str(info.value)
+
+
+def test_a_huge_prompt_under_a_one_token_block_costs_a_bounded_walk() -> None:
+    """An engine whose ready response says block_size 1 and a 10^6-token prompt made
+    one pick hash, insert and look up 10^6 blocks (seconds in the dispatcher, and one
+    prompt took a million index entries): the walk stops at `max_prompt_blocks`."""
+    from zmqdp._core.prefix import MAX_PROMPT_BLOCKS
+
+    c = core(block_size=1)
+    index = c.prefix
+    assert index is not None and index.block_size == 1
+    huge = list(range(10**6))
+    assert len(index.chain(huge)) == MAX_PROMPT_BLOCKS
+    first = c.submit("a", None, object(), None, 1.0, None, (huge, 0))
+    assert index.total == MAX_PROMPT_BLOCKS
+    # the same long prompt again: its first blocks are still told apart, and it follows
+    again = c.submit("b", None, object(), None, 1.0, None, (huge, 0))
+    assert again.rank == first.rank
+    assert c.routing.prefix_cached_tokens == MAX_PROMPT_BLOCKS

@@ -40,6 +40,9 @@ full blocks of ``block_size`` token ids (a partial last block is never cached, n
   most blocks (the lowest such rank) drops its least recent one. So memory is
   O(max_blocks) whatever ranks claim (a capacity claim only sets C, bounded by
   `rank_blocks`), and a prompt longer than a rank's limit is indexed up to it.
+  A prompt is hashed by its first `MAX_PROMPT_BLOCKS` blocks at most (`PrefixIndex.chain`),
+  so one pick's cost is bounded too, whatever the prompt's length or the block size an
+  engine claims.
 * A rank that dies or is replaced loses its cache: `forget` drops its entries and takes
   the new incarnation number; an `insert` naming another incarnation is ignored.
 * A change of block size (`set_block_size`: the engines' own, from vLLM's ready
@@ -105,6 +108,7 @@ __all__ = [
     "block_key",
     "BAND",
     "BLOCK_SIZE",
+    "MAX_PROMPT_BLOCKS",
     "PREDICTED_BLOCKS",
     "SLACK",
     "PrefixIndex",
@@ -121,6 +125,14 @@ SLACK = 2.0
 """`pick`: how far above the least load, in load units (requests for the least-loaded
 score), a rank may be and still win by its cache."""
 
+MAX_PROMPT_BLOCKS = 1 << 14
+"""The most blocks of one prompt the index hashes, matches and inserts (its first ones:
+256 Ki tokens at 16 a block). The walk is on the submit path, in the dispatcher's
+thread: a 10^6-token prompt, or an engine whose ready response says ``block_size`` 1,
+would otherwise cost seconds there (10^6 hashes, inserts and lookups) and one prompt
+could fill a rank's share of the index. Past it, a prompt counts as cached up to its
+first `MAX_PROMPT_BLOCKS` blocks at most, which still tells its ranks apart."""
+
 PREDICTED_BLOCKS = 512
 """Exact mode (`PrefixIndex.set_exact`): the most approximate entries a rank keeps once
 its KV events are live. An engine reports a block only after it computed it (prefill),
@@ -136,13 +148,21 @@ def block_key(parent: int | None, block: Sequence[int]) -> int:
     return hash((0 if parent is None else parent, *block))
 
 
-def chain(tokens: Sequence[int], block_size: int = BLOCK_SIZE, root: int = 0) -> list[int]:
+def chain(
+    tokens: Sequence[int],
+    block_size: int = BLOCK_SIZE,
+    root: int = 0,
+    max_blocks: int | None = None,
+) -> list[int]:
     """The chained hashes of the full blocks of `tokens`: the i-th names tokens
     ``[0, (i + 1) x block_size)`` (module docstring); ``block_key`` applied block by
-    block from `root`."""
+    block from `root`. At most `max_blocks` (None: all), the first ones."""
     hashes: list[int] = []
     parent = root
-    for end in range(block_size, len(tokens) + 1, block_size):
+    stop = len(tokens)
+    if max_blocks is not None and stop > max_blocks * block_size:
+        stop = max_blocks * block_size
+    for end in range(block_size, stop + 1, block_size):
         parent = hash((parent, *tokens[end - block_size : end]))
         hashes.append(parent)
     return hashes
@@ -163,6 +183,7 @@ class PrefixIndex:
         "_usage",
         "block_size",
         "max_blocks",
+        "max_prompt_blocks",
         "min_blocks",
         "predicted_blocks",
         "rank_blocks",
@@ -178,6 +199,7 @@ class PrefixIndex:
         rank_blocks: int | None = None,
         min_blocks: int = 64,
         predicted_blocks: int = PREDICTED_BLOCKS,
+        max_prompt_blocks: int = MAX_PROMPT_BLOCKS,
     ) -> None:
         if size < 1:
             raise ValueError(f"a group needs at least one rank, got {size}")
@@ -190,6 +212,8 @@ class PrefixIndex:
         self.min_blocks = min(max(min_blocks, 0), self.rank_blocks)
         self.predicted_blocks = max(predicted_blocks, 0)
         """Exact mode: the most approximate entries (predictions) a rank keeps."""
+        self.max_prompt_blocks = max(max_prompt_blocks, 1)
+        """The most leading blocks of one prompt `chain` hashes (`MAX_PROMPT_BLOCKS`)."""
         self._holders: dict[int, int] = {}  # block hash -> bit mask of the ranks holding it
         # per rank: approximate entries (predictions in exact mode), least recent first
         self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
@@ -365,7 +389,9 @@ class PrefixIndex:
     # -- prompts ------------------------------------------------------------------------
 
     def chain(self, tokens: Sequence[int], root: int = 0) -> list[int]:
-        return chain(tokens, self.block_size, root)
+        """`chain` of the prompt's first `max_prompt_blocks` blocks at most: the bound on
+        what one pick costs, whatever the prompt's length and the engines' block size."""
+        return chain(tokens, self.block_size, root, self.max_prompt_blocks)
 
     def insert(self, rank: int, hashes: Sequence[int], incarnation: int | None = None) -> None:
         """A prompt whose `chain` is `hashes` was sent to `rank` (of `incarnation`, if
