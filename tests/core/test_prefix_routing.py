@@ -386,3 +386,30 @@ def test_a_huge_prompt_under_a_one_token_block_costs_a_bounded_walk() -> None:
     again = c.submit("b", None, object(), None, 1.0, None, (huge, 0))
     assert again.rank == first.rank
     assert c.routing.prefix_cached_tokens == MAX_PROMPT_BLOCKS
+
+
+def test_a_pinned_prompt_is_indexed_and_its_lockstep_prefill_counted() -> None:
+    """A pinned request with token ids was neither indexed (its session's next,
+    unpinned, turn did not follow it to the rank that caches it) nor counted in a
+    lockstep rank's pending prefill (affinity piled onto a rank busy prefilling it)."""
+    r = routing(2, speed=False)
+    long = prompt(4, 10)
+    assert r.select("a", 1, prefix=(long, 0)) == 1
+    assert r.prefix is not None and r.prefix.match(r.prefix.chain(long)) == [0, 24]
+    assert r.select("b", prefix=(long + [5] * 16, 0)) == 1  # the next turn follows
+    assert r.prefix_routed == 1  # the pinned one was not routed
+    lock = routing(2, speed=False, lockstep=True)
+    assert lock.select("a", prefix=(long, 0)) == 0  # cached on 0 from now on
+    lock.started("a")
+    lock.release(0, ["a"])
+    huge = prompt(6, 100)  # 3,264 tokens pinned to rank 0: its prefill gates every step
+    assert lock.select("h", 0, prefix=(huge, 0)) == 0
+    assert lock.prefill_pending(0) == len(huge) - len(SYSTEM)  # the system prompt is cached
+    # the session's next turn: 3,264 + 16 on rank 0 against 0 + 240 on rank 1
+    assert lock.select("b", prefix=(long + [5] * 16, 0)) == 1
+    lock.started("h")
+    assert lock.prefill_pending(0) == 0 and "h" not in lock.prefilling
+    assert lock.select("d", 0, prefix=(long, 0)) == 0  # cached there: nothing pending
+    assert lock.prefill_pending(0) == 0
+    lock.release(0, ["h", "d"])
+    assert not lock.prefilling.keys() - {"b"}
