@@ -198,9 +198,34 @@ def test_a_new_block_size_clears_the_index() -> None:
     assert index is not None
     c.submit("a", None, object(), None, 1.0, None, (list(range(40)), 0))
     assert index.total == 10
-    c.on_rank_dead(1, "test")
+    c.on_rank_dead(0, "test")
+    c.on_rank_dead(1, "test")  # the whole group restarts, with another block size
+    c.take_effects()
     c.on_rank_up(RankUp(1, 50, info={"block_size": 8}), 2.0)
     assert index.block_size == 8 and index.total == 0
+    c.on_rank_up(RankUp(0, 51, info={"block_size": 8}), 2.0)
+    assert index.block_size == 8
+
+
+@pytest.mark.parametrize("junk", [1, 2**62, 8])
+def test_one_rank_alone_cannot_change_the_groups_block_size(junk: int) -> None:
+    """A rank that comes back (or lies) with another block size while the others are
+    up cleared every rank's index, and 2^62 turned affinity off for the whole group:
+    the group's block size stays, and a warning names the rank."""
+    c = core(block_size=16)
+    index = c.prefix
+    assert index is not None
+    tokens = list(range(64))
+    first = c.submit("a", None, object(), None, 1.0, None, (tokens, 0)).rank
+    other = 1 - first
+    c.on_rank_dead(other, "test")
+    c.take_effects()
+    c.on_rank_up(RankUp(other, 77, info={"block_size": junk}), 2.0)
+    assert index.block_size == 16 and index.blocks(first) == 4  # nothing cleared
+    logs = c.take_effects().logs
+    assert any(f"rank {other}" in m and str(junk) in m for _, _, m in logs), logs
+    again = c.submit("b", None, object(), None, 3.0, None, (tokens + [1] * 16, 0))
+    assert again.rank == first  # affinity still works
 
 
 def test_a_core_without_prefix_routing_ignores_the_prefix() -> None:
