@@ -37,9 +37,10 @@ full blocks of ``block_size`` token ids (a partial last block is never cached, n
   as the next prompt, where they are indexed), other clients' prompts, nor engine-side
   eviction order beyond LRU; a usage drop does not bring forgotten entries back.
   A global cap, `max_blocks`, bounds memory over all ranks: past it, the rank holding
-  most blocks (the lowest such rank) drops its least recent one. So memory is
-  O(max_blocks) whatever ranks claim (a capacity claim only sets C, bounded by
-  `rank_blocks`), and a prompt longer than a rank's limit is indexed up to it.
+  most blocks (the lowest such rank) drops its least recent one, until within it
+  (computed at once: `_cap_total`). So memory is O(max_blocks) whatever ranks claim
+  (a capacity claim only sets C, bounded by `rank_blocks`), and a prompt longer than
+  a rank's limit is indexed up to it.
   A prompt is hashed by its first `MAX_PROMPT_BLOCKS` blocks at most (`PrefixIndex.chain`),
   so one pick's cost is bounded too, whatever the prompt's length or the block size an
   engine claims.
@@ -342,8 +343,8 @@ class PrefixIndex:
                 added += 1
         self._total += added
         self._shrink(rank)
-        while self._total > self.max_blocks:
-            self._evict(self._fullest(), 1)
+        if self._total > self.max_blocks:
+            self._cap_total()
 
     def remove(self, rank: int, keys: Sequence[int], incarnation: int | None = None) -> None:
         """`rank`'s engine evicted the blocks `keys` (BlockRemoved): gone from its
@@ -420,8 +421,8 @@ class PrefixIndex:
                 added += 1
         self._total += added
         self._shrink(rank)
-        while self._total > self.max_blocks:
-            self._evict(self._fullest(), 1)
+        if self._total > self.max_blocks:
+            self._cap_total()
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         """How many leading blocks of the prompt whose `chain` is `hashes` each rank
@@ -482,11 +483,31 @@ class PrefixIndex:
         if excess > 0:
             self._evict(rank, excess)
 
-    def _fullest(self) -> int:
-        """The rank holding most blocks (the lowest such rank). O(N), only past the
-        global cap."""
+    def _cap_total(self) -> None:
+        """Back within `max_blocks`: as if the rank holding most blocks (the lowest such
+        rank) dropped its least recent one, again and again, but computed at once, O(N
+        log blocks): one by one, each drop scanned every rank, and an engine flooding
+        stores at the cap cost 4,096 scans of N ranks per batch. The drops level the
+        fullest ranks down to a water line L (the least with ``sum(max(0, c - L))`` within
+        the excess); the R drops left come off the lowest ranks at L, one each."""
+        excess = self._total - self.max_blocks
         counts = [self.blocks(r) for r in range(self.size)]
-        return counts.index(max(counts))
+        low, high = 0, max(counts)  # the least L with sum(max(0, c - L)) <= excess
+        while low < high:
+            mid = (low + high) // 2
+            if sum(c - mid for c in counts if c > mid) <= excess:
+                high = mid
+            else:
+                low = mid + 1
+        level = low
+        left = excess - sum(c - level for c in counts if c > level)
+        for rank, c in enumerate(counts):
+            drop = c - level if c > level else 0
+            if left and c >= level and level > 0:
+                drop += 1
+                left -= 1
+            if drop:
+                self._evict(rank, drop)
 
     def _evict(self, rank: int, count: int) -> None:
         """Drop `rank`'s `count` least recent entries: approximate ones (predictions)
