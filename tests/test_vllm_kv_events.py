@@ -305,6 +305,29 @@ async def test_endpoints_with_a_wildcard_host_and_hostile_endpoints() -> None:
                     assert not kv.rank_up(nursery, 0, info, "127.0.0.1")
 
 
+async def test_an_endpoint_where_nothing_publishes_leaves_the_rank_approximate() -> None:
+    """A ready response whose kv_events_config points where nothing publishes (a wrong
+    VLLM_HOST_IP, a firewall, a lie) put the rank in exact mode fed by nothing: its
+    predictions cut to the newest PREDICTED_BLOCKS, its statistics saying "exact".
+    Exact mode now waits for the PUB's first message."""
+    index = RefIndex()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    kv = KvEvents(ctx, enabled=True, replay_timeout=0.2)
+    kv.attach(index)
+    try:
+        with trio.fail_after(10), socket_port() as pub, socket_port() as replay:
+            cfg = {**KV, "endpoint": f"tcp://127.0.0.1:{pub}"}
+            cfg["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
+            async with trio.open_nursery() as nursery:
+                assert kv.rank_up(nursery, 0, {"kv_events_config": cfg}, "127.0.0.1")
+                # the replay asked for at start never answers: the task gave up on it
+                await kv.wait(lambda: index.drops.get(0) == 1)
+                assert index.exact.get(0) is not True and kv.following(0)
+                kv.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
 class socket_port:
     """A TCP port free on 127.0.0.1 now."""
 
@@ -393,11 +416,13 @@ async def test_the_exact_index_fills_from_the_engines_events_and_a_follow_up_goe
     with trio.fail_after(20):
         async with prefix_group(2) as (group, fake, kv):
             index = prefix_index(group)
-            assert [index.is_exact(r) for r in (0, 1)] == [True, True]
+            # exact once a rank's PUB delivers (approximate until then)
+            assert [index.is_exact(r) for r in (0, 1)] == [False, False]
             system = prompt_of(7, 64)  # 4 blocks of 16
             first = await submit_and_rank(group, "t1", [*system, 1, 2, 3])
             # the engine's BlockStored makes its blocks exact entries of that rank
             await kv.wait(lambda: index.stored(first) == 4)
+            assert index.is_exact(first) and not index.is_exact(1 - first)
             assert index.stored(1 - first) == 0
             for n in range(2, 5):  # turns of one session stay where their prefix is
                 turn = [*system, *range(100, 100 + 16 * n)]
@@ -406,9 +431,13 @@ async def test_the_exact_index_fills_from_the_engines_events_and_a_follow_up_goe
             assert engine.cache_hits >= 3 * 64  # num_cached_tokens: true, and hits
             assert fake.engines[1 - first].cache_hits == 0
             stats = group.statistics().prefix
-            assert stats is not None and stats.exact_ranks == (0, 1)
+            assert stats is not None and stats.exact_ranks == (first,)
             assert stats.kv_events["stored"] == index.stored(first) > 4
             assert stats.kv_events["junk"] == 0 and stats.kv_events["replays"] == 2
+            other = prompt_of(8, 64)
+            await run(group, "t0", other, rank=1 - first)
+            await kv.wait(lambda: index.is_exact(1 - first))
+            assert group.statistics().prefix.exact_ranks == (0, 1)  # type: ignore[union-attr]
 
 
 async def test_a_cleared_cache_empties_the_rank_and_without_kv_events_it_is_approximate() -> None:
@@ -443,8 +472,11 @@ async def test_a_dead_rank_forgets_its_exact_index_and_its_new_incarnation_is_fo
             fake.nursery.start_soon(engine.run)  # type: ignore[union-attr]
             await group.rank_state(1).wait_value(zmqdp.RankState.UP)
             await engine.wait_for(lambda: engine.kv_subscriptions > 0)
-            assert kv.following(1) and index.is_exact(1)
+            assert kv.following(1) and not index.is_exact(1)  # nothing from its PUB yet
             assert index.stored(0) == 4  # the other rank's index untouched
+            await run(group, "c", prompt_of(3, 64), rank=1)
+            await kv.wait(lambda: index.stored(1) == 4)
+            assert index.is_exact(1)
 
 
 async def test_a_lying_engine_draws_no_more_than_the_band_and_its_flood_stays_capped() -> None:

@@ -77,6 +77,7 @@ test_pick_guarantees = settings(max_examples=500, deadline=None)(pick_property(p
         (mutants.UnchainedIndex, "match of|blocks, expected|distinct blocks"),
         (mutants.UsageBlindIndex, "past its limit"),
         (mutants.UncappedIndex, "past max_blocks"),
+        (mutants.TiedCapIndex, "blocks, expected|match of"),
         (mutants.LeakyIndex, "distinct blocks kept"),
         (mutants.KeepsForgottenIndex, "match of|blocks, expected"),
         (mutants.StaleInsertIndex, "match of|blocks, expected"),
@@ -200,3 +201,30 @@ def test_a_claim_past_the_prompt_counts_as_the_prompt() -> None:
 def test_no_candidate() -> None:
     assert pick([math.inf, math.inf], [5, 5], 10) == -1
     assert pick([], [], 10) == -1
+
+
+def test_the_global_cap_costs_no_scan_of_every_rank_per_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past `max_blocks`, each dropped block scanned every rank for the fullest: a
+    flood of stores at the cap (4,096 a batch) cost 4,096 x N scans in the event
+    loop. The drops are now computed at once, with the same result (IndexMachine)."""
+    size = 64
+    index = PrefixIndex(size, block_size=1, max_blocks=size * 64)
+    for r in range(size):
+        index.store(r, list(range(r * 10**6, r * 10**6 + 64)))
+    assert index.total == index.max_blocks
+    calls = 0
+    blocks = PrefixIndex.blocks
+
+    def counted(self: PrefixIndex, rank: int) -> int:
+        nonlocal calls
+        calls += 1
+        return blocks(self, rank)
+
+    monkeypatch.setattr(PrefixIndex, "blocks", counted)
+    index.store(0, list(range(-4096, 0)))  # a liar's flood, past the cap
+    assert index.total == index.max_blocks
+    assert calls < 4 * size, calls  # was about 4,096 x 64
+    # the liar (fullest) paid: it was levelled with the others, who lost nothing much
+    assert [index.blocks(r) for r in range(size)] == [64] * size

@@ -198,9 +198,34 @@ def test_a_new_block_size_clears_the_index() -> None:
     assert index is not None
     c.submit("a", None, object(), None, 1.0, None, (list(range(40)), 0))
     assert index.total == 10
-    c.on_rank_dead(1, "test")
+    c.on_rank_dead(0, "test")
+    c.on_rank_dead(1, "test")  # the whole group restarts, with another block size
+    c.take_effects()
     c.on_rank_up(RankUp(1, 50, info={"block_size": 8}), 2.0)
     assert index.block_size == 8 and index.total == 0
+    c.on_rank_up(RankUp(0, 51, info={"block_size": 8}), 2.0)
+    assert index.block_size == 8
+
+
+@pytest.mark.parametrize("junk", [1, 2**62, 8])
+def test_one_rank_alone_cannot_change_the_groups_block_size(junk: int) -> None:
+    """A rank that comes back (or lies) with another block size while the others are
+    up cleared every rank's index, and 2^62 turned affinity off for the whole group:
+    the group's block size stays, and a warning names the rank."""
+    c = core(block_size=16)
+    index = c.prefix
+    assert index is not None
+    tokens = list(range(64))
+    first = c.submit("a", None, object(), None, 1.0, None, (tokens, 0)).rank
+    other = 1 - first
+    c.on_rank_dead(other, "test")
+    c.take_effects()
+    c.on_rank_up(RankUp(other, 77, info={"block_size": junk}), 2.0)
+    assert index.block_size == 16 and index.blocks(first) == 4  # nothing cleared
+    logs = c.take_effects().logs
+    assert any(f"rank {other}" in m and str(junk) in m for _, _, m in logs), logs
+    again = c.submit("b", None, object(), None, 3.0, None, (tokens + [1] * 16, 0))
+    assert again.rank == first  # affinity still works
 
 
 def test_a_core_without_prefix_routing_ignores_the_prefix() -> None:
@@ -311,3 +336,105 @@ def test_prefix_routing_machine_catches(variant: type[Routing], caught_by: str) 
     )
     with pytest.raises(AssertionError, match=caught_by):
         run_state_machine_as_test(machine, settings=HUNT)
+
+
+# -- token ids as hosts have them (hostile review) ---------------------------------------
+
+
+class _ArrayLike:
+    """numpy's ndarray as `check_tokens` sees it: sized, iterable and indexable, of
+    integer-likes, but no registered `collections.abc.Sequence`."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self) -> Any:
+        return (_Index(v) for v in self.values)
+
+    def __getitem__(self, i: int) -> _Index:
+        return _Index(self.values[i])
+
+
+def test_array_like_tokens_become_ints_on_both_wires() -> None:
+    """A tokenizer's numpy array was refused as 'not a sequence' on the native wire
+    and raised a bare ValueError (truth value of an array) on vLLM's."""
+    from zmqdp.vllm import VllmRequest
+    from zmqdp.vllm.wire import VllmWire
+
+    native = NativeWire().prepare(Request("a", tokens=_ArrayLike([5, 6])), [], 0.0)  # type: ignore[arg-type]
+    assert native.prefix == ([5, 6], 0)
+    wire = VllmWire()
+    prepared = wire.prepare(VllmRequest("b", _ArrayLike([1, 2, 3])), [{"max_model_len": 99}], 0.0)  # type: ignore[arg-type]
+    assert prepared.prefix == ([1, 2, 3], 0)
+    assert prepared.body[0].prompt_token_ids == [1, 2, 3]  # what the ADD carries: ints
+    wire.encode_add("w", prepared.body, 0)  # msgpack takes them
+
+
+def test_numpy_tokens_become_ints() -> None:
+    np = pytest.importorskip("numpy")
+    prepared = NativeWire().prepare(Request("a", tokens=np.arange(3)), [], 0.0)
+    assert prepared.prefix == ([0, 1, 2], 0) and type(prepared.prefix[0][0]) is int
+    with pytest.raises(InvalidRequest, match=r"'a'.*holds"):
+        NativeWire().prepare(Request("a", tokens=np.arange(4).reshape(2, 2)), [], 0.0)
+
+
+@pytest.mark.parametrize("tokens", [(i for i in range(3)), "abc", {1: 2}, 7])
+def test_vllm_prompt_token_ids_of_the_wrong_kind_are_refused_naming_the_request(
+    tokens: Any,
+) -> None:
+    """A generator made prepare raise a bare TypeError (len), naming no request."""
+    from zmqdp.vllm import VllmRequest
+    from zmqdp.vllm.wire import VllmWire
+
+    with pytest.raises(InvalidRequest) as info:
+        VllmWire().prepare(VllmRequest("req-9", tokens), [{"max_model_len": 99}], 0.0)
+    assert "req-9" in str(info.value) and "prompt_token_ids" in str(info.value)
+
+
+def test_a_huge_prompt_under_a_one_token_block_costs_a_bounded_walk() -> None:
+    """An engine whose ready response says block_size 1 and a 10^6-token prompt made
+    one pick hash, insert and look up 10^6 blocks (seconds in the dispatcher, and one
+    prompt took a million index entries): the walk stops at `max_prompt_blocks`."""
+    from zmqdp._core.prefix import MAX_PROMPT_BLOCKS
+
+    c = core(block_size=1)
+    index = c.prefix
+    assert index is not None and index.block_size == 1
+    huge = list(range(10**6))
+    assert len(index.chain(huge)) == MAX_PROMPT_BLOCKS
+    first = c.submit("a", None, object(), None, 1.0, None, (huge, 0))
+    assert index.total == MAX_PROMPT_BLOCKS
+    # the same long prompt again: its first blocks are still told apart, and it follows
+    again = c.submit("b", None, object(), None, 1.0, None, (huge, 0))
+    assert again.rank == first.rank
+    assert c.routing.prefix_cached_tokens == MAX_PROMPT_BLOCKS
+
+
+def test_a_pinned_prompt_is_indexed_and_its_lockstep_prefill_counted() -> None:
+    """A pinned request with token ids was neither indexed (its session's next,
+    unpinned, turn did not follow it to the rank that caches it) nor counted in a
+    lockstep rank's pending prefill (affinity piled onto a rank busy prefilling it)."""
+    r = routing(2, speed=False)
+    long = prompt(4, 10)
+    assert r.select("a", 1, prefix=(long, 0)) == 1
+    assert r.prefix is not None and r.prefix.match(r.prefix.chain(long)) == [0, 24]
+    assert r.select("b", prefix=(long + [5] * 16, 0)) == 1  # the next turn follows
+    assert r.prefix_routed == 1  # the pinned one was not routed
+    lock = routing(2, speed=False, lockstep=True)
+    assert lock.select("a", prefix=(long, 0)) == 0  # cached on 0 from now on
+    lock.started("a")
+    lock.release(0, ["a"])
+    huge = prompt(6, 100)  # 3,264 tokens pinned to rank 0: its prefill gates every step
+    assert lock.select("h", 0, prefix=(huge, 0)) == 0
+    assert lock.prefill_pending(0) == len(huge) - len(SYSTEM)  # the system prompt is cached
+    # the session's next turn: 3,264 + 16 on rank 0 against 0 + 240 on rank 1
+    assert lock.select("b", prefix=(long + [5] * 16, 0)) == 1
+    lock.started("h")
+    assert lock.prefill_pending(0) == 0 and "h" not in lock.prefilling
+    assert lock.select("d", 0, prefix=(long, 0)) == 0  # cached there: nothing pending
+    assert lock.prefill_pending(0) == 0
+    lock.release(0, ["h", "d"])
+    assert not lock.prefilling.keys() - {"b"}

@@ -357,6 +357,20 @@ class UncappedIndex(PrefixIndex):
             self.max_blocks = max_blocks
 
 
+class TiedCapIndex(PrefixIndex):
+    """At the global cap, the drops left after levelling come off the highest-numbered
+    ranks at the water line, not the lowest (one by one, ties go to the lowest rank)."""
+
+    def _cap_total(self) -> None:
+        excess = self._total - self.max_blocks
+        while excess > 0:
+            counts = [self.blocks(r) for r in range(self.size)]
+            top = max(counts)
+            rank = self.size - 1 - counts[::-1].index(top)
+            self._evict(rank, 1)
+            excess -= 1
+
+
 class LeakyIndex(PrefixIndex):
     """Evicts a rank's entry but keeps its hash in the hash-to-ranks map when no rank
     holds it any more: memory grows with every prompt ever sent."""

@@ -363,9 +363,11 @@ SESSION_TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=10)
 
 class PrefixRoutingMachine(RuleBasedStateMachine):
     """`Routing` with a prefix index, fed as the core feeds it (picks with and without
-    token ids, pinned picks, releases, first outputs, load reports, caps, ranks down and
-    up). Every unpinned pick with token ids is checked against what it must be, from
-    the state just before it:
+    token ids, pinned picks with and without, releases, first outputs, load reports,
+    caps, ranks down and up). A pinned pick with token ids indexes its prompt on its rank
+    (and, lockstep, adds its uncached tokens to the rank's pending prefill). Every
+    unpinned pick with token ids is checked against what it must be, from the state
+    just before it:
 
     * none with room: it raises, and nothing changes;
     * its load score is within the band (``least x (1 + BAND) + SLACK``);
@@ -450,13 +452,34 @@ class PrefixRoutingMachine(RuleBasedStateMachine):
             grew = routing.prefill_pending(chosen) - pending[chosen]
             assert grew == len(tokens) - cached[chosen], f"pending grew by {grew}"
 
-    @rule(rank=st.integers(0, 4))
-    def pinned(self, rank: int) -> None:
+    @rule(rank=st.integers(0, 4), tokens=st.none() | SESSION_TOKENS)
+    def pinned(self, rank: int, tokens: list[int] | None) -> None:
+        """A pinned pick goes where it is pinned; with token ids, its rank then holds
+        the prompt's blocks and, lockstep, its pending prefill grew by the uncached."""
         rank %= self.n
-        if self.routing.has_room(rank):
-            rid = self._id()
+        if not self.routing.has_room(rank):
+            return
+        rid = self._id()
+        if tokens is None:
             self.routing.select(rid, rank)
             self.live.append((rid, rank))
+            return
+        index, routing = self.index, self.routing
+        hashes = index.chain(tokens)
+        cached = min(index.cached_tokens(hashes)[rank], len(tokens))
+        pending = routing.prefill_pending(rank)
+        routed = routing.prefix_routed
+        assert routing.select(rid, rank, prefix=(tokens, 0)) == rank
+        self.live.append((rid, rank))
+        self.sent.append(tokens)
+        held = index.match(hashes)[rank]
+        assert held == min(len(hashes), index.limit(rank)), (
+            f"pinned: rank {rank} holds {held} of the prompt's {len(hashes)} blocks"
+        )
+        assert routing.prefix_routed == routed  # the routing chose nothing
+        if self.lockstep:
+            grew = routing.prefill_pending(rank) - pending
+            assert grew == len(tokens) - cached, f"pinned: pending grew by {grew}"
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:

@@ -71,7 +71,9 @@ def test_the_client_follows_every_ranks_kv_events(prefix: GroupHost) -> None:
         await kv.wait(lambda: kv.live(0) and kv.live(1))
         assert kv.following(0) and kv.following(1)
         index = _index(group)
-        assert index.block_size == BLOCK and index.is_exact(0) and index.is_exact(1)
+        assert index.block_size == BLOCK
+        # exact once a rank's PUB delivers: an idle engine has published nothing yet
+        # unless an earlier test sent it prompts
         assert kv.counters().junk == 0 and kv.counters().replay_failures == 0
 
     prefix.run(check, timeout=30)
@@ -103,7 +105,8 @@ def test_a_prompts_blocks_are_indexed_and_its_repeat_hits_the_same_rank(
         counters = kv.counters()
         assert counters.stored >= 6 and counters.junk == 0, counters
         prefix_stats = group.statistics().prefix
-        assert prefix_stats is not None and prefix_stats.exact_ranks == (0, 1)
+        assert prefix_stats is not None and rank in prefix_stats.exact_ranks
+        assert index.is_exact(rank)
         assert prefix_stats.kv_events["stored"] == counters.stored
 
     prefix.run(check, timeout=120)

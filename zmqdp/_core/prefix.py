@@ -37,9 +37,13 @@ full blocks of ``block_size`` token ids (a partial last block is never cached, n
   as the next prompt, where they are indexed), other clients' prompts, nor engine-side
   eviction order beyond LRU; a usage drop does not bring forgotten entries back.
   A global cap, `max_blocks`, bounds memory over all ranks: past it, the rank holding
-  most blocks (the lowest such rank) drops its least recent one. So memory is
-  O(max_blocks) whatever ranks claim (a capacity claim only sets C, bounded by
-  `rank_blocks`), and a prompt longer than a rank's limit is indexed up to it.
+  most blocks (the lowest such rank) drops its least recent one, until within it
+  (computed at once: `_cap_total`). So memory is O(max_blocks) whatever ranks claim
+  (a capacity claim only sets C, bounded by `rank_blocks`), and a prompt longer than
+  a rank's limit is indexed up to it.
+  A prompt is hashed by its first `MAX_PROMPT_BLOCKS` blocks at most (`PrefixIndex.chain`),
+  so one pick's cost is bounded too, whatever the prompt's length or the block size an
+  engine claims.
 * A rank that dies or is replaced loses its cache: `forget` drops its entries and takes
   the new incarnation number; an `insert` naming another incarnation is ignored.
 * A change of block size (`set_block_size`: the engines' own, from vLLM's ready
@@ -105,6 +109,7 @@ __all__ = [
     "block_key",
     "BAND",
     "BLOCK_SIZE",
+    "MAX_PROMPT_BLOCKS",
     "PREDICTED_BLOCKS",
     "SLACK",
     "PrefixIndex",
@@ -121,6 +126,14 @@ SLACK = 2.0
 """`pick`: how far above the least load, in load units (requests for the least-loaded
 score), a rank may be and still win by its cache."""
 
+MAX_PROMPT_BLOCKS = 1 << 14
+"""The most blocks of one prompt the index hashes, matches and inserts (its first ones:
+256 Ki tokens at 16 a block). The walk is on the submit path, in the dispatcher's
+thread: a 10^6-token prompt, or an engine whose ready response says ``block_size`` 1,
+would otherwise cost seconds there (10^6 hashes, inserts and lookups) and one prompt
+could fill a rank's share of the index. Past it, a prompt counts as cached up to its
+first `MAX_PROMPT_BLOCKS` blocks at most, which still tells its ranks apart."""
+
 PREDICTED_BLOCKS = 512
 """Exact mode (`PrefixIndex.set_exact`): the most approximate entries a rank keeps once
 its KV events are live. An engine reports a block only after it computed it (prefill),
@@ -136,13 +149,21 @@ def block_key(parent: int | None, block: Sequence[int]) -> int:
     return hash((0 if parent is None else parent, *block))
 
 
-def chain(tokens: Sequence[int], block_size: int = BLOCK_SIZE, root: int = 0) -> list[int]:
+def chain(
+    tokens: Sequence[int],
+    block_size: int = BLOCK_SIZE,
+    root: int = 0,
+    max_blocks: int | None = None,
+) -> list[int]:
     """The chained hashes of the full blocks of `tokens`: the i-th names tokens
     ``[0, (i + 1) x block_size)`` (module docstring); ``block_key`` applied block by
-    block from `root`."""
+    block from `root`. At most `max_blocks` (None: all), the first ones."""
     hashes: list[int] = []
     parent = root
-    for end in range(block_size, len(tokens) + 1, block_size):
+    stop = len(tokens)
+    if max_blocks is not None and stop > max_blocks * block_size:
+        stop = max_blocks * block_size
+    for end in range(block_size, stop + 1, block_size):
         parent = hash((parent, *tokens[end - block_size : end]))
         hashes.append(parent)
     return hashes
@@ -163,6 +184,7 @@ class PrefixIndex:
         "_usage",
         "block_size",
         "max_blocks",
+        "max_prompt_blocks",
         "min_blocks",
         "predicted_blocks",
         "rank_blocks",
@@ -178,6 +200,7 @@ class PrefixIndex:
         rank_blocks: int | None = None,
         min_blocks: int = 64,
         predicted_blocks: int = PREDICTED_BLOCKS,
+        max_prompt_blocks: int = MAX_PROMPT_BLOCKS,
     ) -> None:
         if size < 1:
             raise ValueError(f"a group needs at least one rank, got {size}")
@@ -190,6 +213,8 @@ class PrefixIndex:
         self.min_blocks = min(max(min_blocks, 0), self.rank_blocks)
         self.predicted_blocks = max(predicted_blocks, 0)
         """Exact mode: the most approximate entries (predictions) a rank keeps."""
+        self.max_prompt_blocks = max(max_prompt_blocks, 1)
+        """The most leading blocks of one prompt `chain` hashes (`MAX_PROMPT_BLOCKS`)."""
         self._holders: dict[int, int] = {}  # block hash -> bit mask of the ranks holding it
         # per rank: approximate entries (predictions in exact mode), least recent first
         self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
@@ -318,8 +343,8 @@ class PrefixIndex:
                 added += 1
         self._total += added
         self._shrink(rank)
-        while self._total > self.max_blocks:
-            self._evict(self._fullest(), 1)
+        if self._total > self.max_blocks:
+            self._cap_total()
 
     def remove(self, rank: int, keys: Sequence[int], incarnation: int | None = None) -> None:
         """`rank`'s engine evicted the blocks `keys` (BlockRemoved): gone from its
@@ -365,7 +390,9 @@ class PrefixIndex:
     # -- prompts ------------------------------------------------------------------------
 
     def chain(self, tokens: Sequence[int], root: int = 0) -> list[int]:
-        return chain(tokens, self.block_size, root)
+        """`chain` of the prompt's first `max_prompt_blocks` blocks at most: the bound on
+        what one pick costs, whatever the prompt's length and the engines' block size."""
+        return chain(tokens, self.block_size, root, self.max_prompt_blocks)
 
     def insert(self, rank: int, hashes: Sequence[int], incarnation: int | None = None) -> None:
         """A prompt whose `chain` is `hashes` was sent to `rank` (of `incarnation`, if
@@ -394,8 +421,8 @@ class PrefixIndex:
                 added += 1
         self._total += added
         self._shrink(rank)
-        while self._total > self.max_blocks:
-            self._evict(self._fullest(), 1)
+        if self._total > self.max_blocks:
+            self._cap_total()
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         """How many leading blocks of the prompt whose `chain` is `hashes` each rank
@@ -456,11 +483,31 @@ class PrefixIndex:
         if excess > 0:
             self._evict(rank, excess)
 
-    def _fullest(self) -> int:
-        """The rank holding most blocks (the lowest such rank). O(N), only past the
-        global cap."""
+    def _cap_total(self) -> None:
+        """Back within `max_blocks`: as if the rank holding most blocks (the lowest such
+        rank) dropped its least recent one, again and again, but computed at once, O(N
+        log blocks): one by one, each drop scanned every rank, and an engine flooding
+        stores at the cap cost 4,096 scans of N ranks per batch. The drops level the
+        fullest ranks down to a water line L (the least with ``sum(max(0, c - L))`` within
+        the excess); the R drops left come off the lowest ranks at L, one each."""
+        excess = self._total - self.max_blocks
         counts = [self.blocks(r) for r in range(self.size)]
-        return counts.index(max(counts))
+        low, high = 0, max(counts)  # the least L with sum(max(0, c - L)) <= excess
+        while low < high:
+            mid = (low + high) // 2
+            if sum(c - mid for c in counts if c > mid) <= excess:
+                high = mid
+            else:
+                low = mid + 1
+        level = low
+        left = excess - sum(c - level for c in counts if c > level)
+        for rank, c in enumerate(counts):
+            drop = c - level if c > level else 0
+            if left and c >= level and level > 0:
+                drop += 1
+                left -= 1
+            if drop:
+                self._evict(rank, drop)
 
     def _evict(self, rank: int, count: int) -> None:
         """Drop `rank`'s `count` least recent entries: approximate ones (predictions)

@@ -426,7 +426,10 @@ class Routing:
         `prefix`: the prompt's token ids and the root key of their chain; with the
         prefix index on, an unpinned pick prefers the rank that caches most of it
         within the load band (`_select_prefix`), and the prompt is indexed on the rank
-        chosen. Without it, or with the index off, the pick is the load decision.
+        chosen. Without it, or with the index off, the pick is the load decision. A
+        pinned request's prompt is indexed on its rank too, and in a lockstep group its
+        uncached tokens count in the rank's pending prefill (`_pinned_prefix`): the
+        engine caches and prefills it all the same.
         """
         if rank is None and prefix is not None and self.prefix is not None:
             return self._select_prefix(request_id, name, prefix[0], prefix[1])
@@ -443,6 +446,8 @@ class Routing:
             self._inflight[rank].add(request_id)
             if self._tree is not None:
                 self._rescore(rank)
+            if prefix is not None and self.prefix is not None:
+                self._pinned_prefix(request_id, rank, prefix[0], prefix[1])
             return rank
         size = self.size
         start = self._next_start
@@ -511,6 +516,21 @@ class Routing:
             self.prefilling[request_id] = (chosen, prompt - hit)
             self._prefill_pending[chosen] += prompt - hit
         return chosen
+
+    def _pinned_prefix(self, request_id: str, rank: int, tokens: Sequence[int], root: int) -> None:
+        """A request pinned to `rank` with token ids: its rank will cache the prompt (a
+        session's next, unpinned, turn follows it there) and, in a lockstep group, prefill
+        its uncached tokens (which gate every rank's step as a routed prompt's do). Not
+        counted in `prefix_routed`: the routing chose nothing."""
+        index = self.prefix
+        assert index is not None
+        hashes = index.chain(tokens, root)
+        if self._lockstep:
+            hit = index.match(hashes)[rank] * index.block_size if hashes else 0
+            uncached = len(tokens) - min(hit, len(tokens))
+            self.prefilling[request_id] = (rank, uncached)
+            self._prefill_pending[rank] += uncached
+        self._index_prompt(rank, hashes)
 
     def _affinity(self, cached: Sequence[int], prompt: int, start: int) -> int:
         """The rank `pick` chooses for a prompt of `prompt` tokens, `cached` per rank,

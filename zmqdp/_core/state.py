@@ -342,9 +342,7 @@ class GroupCore(BatchReader[H]):
         seqs = info.get("max_num_seqs")
         self.routing.set_capacity(rank, seqs if type(seqs) is int else None)
         if self.prefix is not None:  # (forgotten by `Routing.set_up` already)
-            block_size = info.get("block_size")
-            if type(block_size) is int and block_size > 0:
-                self.prefix.set_block_size(block_size)
+            self._prefix_block_size(rank, info.get("block_size"))
             self.prefix.set_capacity(rank, info.get("num_gpu_blocks"))
         self._fx.rank_state(rank, True)
         if self.recovering and all(self.is_up(r) for r in range(self.size)):
@@ -355,6 +353,28 @@ class GroupCore(BatchReader[H]):
                 f"the engine group is back (recovery #{self.recoveries}): every rank "
                 "completed a new handshake",
             )
+
+    def _prefix_block_size(self, rank: int, block_size: Any) -> None:
+        """The prefix index takes the block size of a rank that comes up while no other
+        rank is up (the group's first, or a whole group restarted): a change clears every
+        rank's entries. One rank alone must not change it under the others (a liar's
+        ``block_size`` 2^62 would turn affinity off for the whole group, and each of its
+        restarts would clear every rank's index): its own is logged, naming the rank,
+        and the index keeps the group's (that rank then gets little affinity)."""
+        index = self.prefix
+        assert index is not None
+        if type(block_size) is not int or block_size < 1 or block_size == index.block_size:
+            return
+        if any(self.is_up(r) for r in range(self.size) if r != rank):
+            self._fx.log(
+                logging.WARNING,
+                f"rank {rank}: its block_size {block_size} is not the group's "
+                f"{index.block_size}: prefix affinity keeps the group's (its blocks will "
+                "rarely match)",
+                "block_size",
+            )
+            return
+        index.set_block_size(block_size)
 
     def _cap(self, rank: int, cap: int | str | None, info: Mapping[str, Any]) -> int | None:
         if cap != "info":

@@ -27,25 +27,39 @@ __all__ = ["Incoming", "NativeWire", "Prepared", "Wire", "check_tokens"]
 R_contra = TypeVar("R_contra", contravariant=True)
 
 
-def check_tokens(request_id: Any, tokens: Any) -> Sequence[int]:
+def check_tokens(request_id: Any, tokens: Any, what: str = "tokens") -> Sequence[int]:
     """`Request.tokens` as the prefix index takes them: a list or tuple of ints as it
-    is (bools refused), any other sequence of integer-likes (numpy's) as a list of
-    ints; anything else raises `InvalidRequest` naming the request."""
+    is (bools refused), any other sequence of integer-likes as a list of ints (numpy's
+    arrays too: sized and iterable, though no registered `Sequence`); anything else
+    (a str, a mapping, a generator: no length) raises `InvalidRequest` naming the
+    request (`what`: the field's name, for the message)."""
     if (type(tokens) is list or type(tokens) is tuple) and all(type(t) is int for t in tokens):
         return tokens
-    if isinstance(tokens, (str, bytes, bytearray, Mapping)) or not isinstance(tokens, Sequence):
+    if isinstance(tokens, (str, bytes, bytearray, Mapping)) or not (
+        isinstance(tokens, Sequence) or (hasattr(tokens, "__len__") and hasattr(tokens, "__iter__"))
+    ):
         raise InvalidRequest(
-            str(request_id), f"tokens must be a sequence of ints or None, not {quote(tokens)}"
+            str(request_id),
+            f"{what} must be a sequence of ints{' or None' if what == 'tokens' else ''}, "
+            f"not {quote(tokens)}",
         )
     try:
         if any(type(t) is bool for t in tokens):
             raise TypeError("a bool")
         return [operator.index(t) for t in tokens]
     except TypeError:
-        bad = next((t for t in tokens if type(t) is bool or not hasattr(t, "__index__")), None)
+        bad = next((t for t in tokens if type(t) is bool or not _is_index(t)), None)
         raise InvalidRequest(
-            str(request_id), f"tokens must be a sequence of ints, and holds {quote(bad)}"
+            str(request_id), f"{what} must be a sequence of ints, and holds {quote(bad)}"
         ) from None
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 class Prepared(NamedTuple):

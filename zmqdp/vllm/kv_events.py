@@ -13,8 +13,13 @@ alone owns that rank's SUB (subscribed to the config's topic) and replay DEALER,
 `Dropped` / `AskReplay`. The task applies them to the group's `PrefixIndex` with the
 incarnation it read when it started (`store`, `remove`, `drop`, and `hold` while a
 replay is under way), so that anything a dead incarnation's task still applies is
-ignored by the index. It marks the rank `set_exact` (its approximate inserts become
-short-lived predictions: an engine reports blocks only after their prefill).
+ignored by the index. Once the rank's PUB has delivered a message (proof that its
+events reach this client), it marks the rank `set_exact` (its approximate inserts
+become short-lived predictions: an engine reports blocks only after their prefill).
+Not before: a ``kv_events_config`` that points where nothing publishes (a wrong
+``VLLM_HOST_IP``, a firewall, a lie) must leave the rank in the approximate mode, not
+in an exact mode fed by nothing, whose predictions alone (`PREDICTED_BLOCKS`) would
+hold a long prompt or two.
 
 Where to connect: the config's endpoints are the engine's own, already offset by its
 rank; a wildcard host (``tcp://*:P``) is replaced by the engine's address as this
@@ -316,7 +321,6 @@ class KvEvents:
                     return
                 incarnation = index.incarnation(rank)
                 feed = follow.feed = KvEventFeed(rank, **settings)
-                index.set_exact(rank, True, incarnation)
                 if dealer is not None:  # what was published before the SUB joined
                     for event in feed.start(trio.current_time()):
                         self._apply(rank, event, index, incarnation, dealer)
@@ -373,6 +377,7 @@ class KvEvents:
         yielding after every `YIELD_BLOCKS` blocks and every `BATCH` messages."""
         also = [] if dealer is None else [dealer]
         self._held[rank] = feed.replaying
+        exact = False  # set at the PUB's first message (module docstring)
         while True:
             deadline = feed.deadline()
             with trio.move_on_at(math.inf if deadline is None else deadline):
@@ -380,6 +385,9 @@ class KvEvents:
             self._round(rank, feed, index, incarnation, dealer, feed.tick(trio.current_time()))
             blocks = 0
             messages = [(True, frames) for frames in sub.receive_nowait(BATCH)]
+            if messages and not exact:
+                exact = True
+                index.set_exact(rank, True, incarnation)
             if dealer is not None:
                 messages += [(False, frames) for frames in dealer.receive_nowait(BATCH)]
             for live, frames in messages:

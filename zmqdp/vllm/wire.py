@@ -43,7 +43,7 @@ from .._core.errors import InvalidRequest, ProtocolError, quote
 from .._core.messages import OutputBatch
 from .._core.prefix import block_key
 from .._core.waves import WaveClock
-from .._core.wire import Incoming, Prepared
+from .._core.wire import Incoming, Prepared, check_tokens
 from .codec import (
     ENGINE_CORE_DEAD,
     SamplingParams,
@@ -150,8 +150,11 @@ class VllmWire:
                 str(getattr(request, "id", "?")),
                 f"submit takes a VllmRequest on vLLM's wire, not {quote(request)}",
             )
+        tokens = check_tokens(request.id, request.prompt_token_ids, "prompt_token_ids")
+        if tokens is not request.prompt_token_ids:  # numpy's, integer-likes: ints
+            request = dataclasses.replace(request, prompt_token_ids=tokens)
         limit = _max_model_len(infos)
-        prompt = len(request.prompt_token_ids)
+        prompt = len(tokens)
         if limit is not None and prompt >= limit:
             raise InvalidRequest(
                 request.id,
