@@ -29,20 +29,30 @@ R_contra = TypeVar("R_contra", contravariant=True)
 
 def check_tokens(request_id: Any, tokens: Any) -> Sequence[int]:
     """`Request.tokens` as the prefix index takes them: a list or tuple of ints as it
-    is (bools refused), any other sequence of integer-likes (numpy's) as a list of
-    ints; anything else raises `InvalidRequest` naming the request."""
+    is (bools refused), any other sequence of integer-likes (a range, numpy's arrays,
+    which are no `Sequence`) as a list of ints; anything else raises `InvalidRequest`
+    naming the request."""
     if (type(tokens) is list or type(tokens) is tuple) and all(type(t) is int for t in tokens):
         return tokens
-    if isinstance(tokens, (str, bytes, bytearray, Mapping)) or not isinstance(tokens, Sequence):
+    array_like = all(hasattr(tokens, name) for name in ("__len__", "__getitem__", "__iter__"))
+    if isinstance(tokens, (str, bytes, bytearray, Mapping)) or not (
+        isinstance(tokens, Sequence) or array_like
+    ):
         raise InvalidRequest(
             str(request_id), f"tokens must be a sequence of ints or None, not {quote(tokens)}"
         )
     try:
-        if any(type(t) is bool for t in tokens):
-            raise TypeError("a bool")
-        return [operator.index(t) for t in tokens]
+        items = list(tokens)  # a 0-d array has __len__ but no items
     except TypeError:
-        bad = next((t for t in tokens if type(t) is bool or not hasattr(t, "__index__")), None)
+        raise InvalidRequest(
+            str(request_id), f"tokens must be a sequence of ints or None, not {quote(tokens)}"
+        ) from None
+    try:
+        if any(type(t) is bool for t in items):
+            raise TypeError("a bool")
+        return [operator.index(t) for t in items]
+    except TypeError:
+        bad = next((t for t in items if type(t) is bool or not hasattr(t, "__index__")), None)
         raise InvalidRequest(
             str(request_id), f"tokens must be a sequence of ints, and holds {quote(bad)}"
         ) from None
