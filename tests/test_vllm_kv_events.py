@@ -511,3 +511,27 @@ async def test_a_lying_engine_draws_no_more_than_the_band_and_its_flood_stays_ca
                 for e in fake.engines:
                     e.frozen = False
                     e.changed.set()
+
+
+async def test_a_rank_that_publishes_no_events_is_logged_as_approximate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A user of serve --routing prefix sees why a rank is not in exact mode: its ready
+    response enables no KV events (the engines need --kv-events-config)."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        kv = KvEvents(context, enabled=True)
+        with trio.fail_after(5), caplog.at_level("INFO", logger="zmqdp"):
+            async with trio.open_nursery() as nursery:
+                assert not kv.rank_up(nursery, 1, {"block_size": 16}, "127.0.0.1")
+                off = {"kv_events_config": {**KV, "enable_kv_cache_events": False}}
+                assert not kv.rank_up(nursery, 0, off, "127.0.0.1")
+        messages = [r.getMessage() for r in caplog.records]
+        for rank in (1, 0):
+            assert any(
+                m.startswith(f"rank {rank}: its ready response enables no KV events")
+                and "--kv-events-config" in m
+                for m in messages
+            ), messages
+    finally:
+        context.term()
