@@ -80,3 +80,16 @@ def test_the_metrics_guide_names_every_prefix_family() -> None:
     }
     assert families and all(f"`{name}" in guide for name in families), families
     assert "`zmqdp_prefix_kv_events_<counter>_total`" in guide
+
+
+def test_the_guides_name_every_connect_option() -> None:
+    """The client and embedding guides' lists of `connect`'s keywords are complete
+    (`kv_events` was missing when routing="prefix" came)."""
+    import dataclasses
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs/guides"
+    names = [f.name for f in dataclasses.fields(ConnectOptions)]
+    for guide in ("client.md", "embedding.md"):
+        text = (docs / guide).read_text()
+        assert [n for n in names if f"`{n}`" not in text] == [], guide
