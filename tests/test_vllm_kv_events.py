@@ -535,3 +535,37 @@ async def test_a_rank_that_publishes_no_events_is_logged_as_approximate(
             ), messages
     finally:
         context.term()
+
+
+async def test_a_kv_event_port_in_use_refuses_that_rank_naming_it() -> None:
+    """A KV-event port already taken (another rank's, another process's) stops that
+    fake engine as vLLM's constructor would, with why, not a traceback out of the
+    whole fake group (what `zmqdp mock` prints as `rank R stopped: ...`)."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    taken.setsockopt(zmq.LINGER, 0)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    d = tempfile.mkdtemp(prefix="zkv", dir="/tmp")
+    fake = FakeVllmGroup(f"ipc://{d}/hs", 1, kv_events={**KV, "endpoint": f"tcp://*:{port}"})
+    engine = fake.engines[0]
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                fake.nursery = nursery
+                nursery.start_soon(engine.run)
+
+                async def client() -> None:
+                    async with zmqdp.vllm.connect(fake.url, 1, ready_timeout=15.0):
+                        pass
+
+                nursery.start_soon(client)
+                await engine.stopped.wait()
+                nursery.cancel_scope.cancel()
+        assert engine.refused is not None and not engine.up.is_set()
+        assert engine.refused.startswith("its KV-event sockets: ")
+        assert f"tcp://*:{port}" in engine.refused and "in use" in engine.refused
+    finally:
+        fake.close()
+        taken.close()
+        context.term()
+        shutil.rmtree(d, ignore_errors=True)
