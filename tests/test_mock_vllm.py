@@ -28,7 +28,7 @@ import trio
 
 import tests.fakes.vllm as old_fakes
 import zmqdp.vllm.mock as fakes
-from zmqdp.__main__ import VLLM_MOCK_URL, main, vllm_mock_serve_command
+from zmqdp.__main__ import VLLM_MOCK_URL, _kv_events_config, main, vllm_mock_serve_command
 from zmqdp.vllm.mock import (
     MOCK_MODEL,
     mock_model_dir,
@@ -132,9 +132,9 @@ async def test_serve_routing_prefix_follows_the_mocks_kv_events(tmp_path: Path) 
     with trio.fail_after(90):
         async with process(mock, tmp_path) as (_, mock_out):
             command = await mock_out.until(lambda line: " serve --vllm " in line)
+            assert " --routing prefix " in command  # the banner's command uses the events
             port = free_port()
             serve = [sys.executable, *shlex.split(command)[1:], "--port", str(port)]
-            serve += ["--routing", "prefix"]
             async with process(serve, tmp_path) as (_, serve_out):
                 base = f"http://127.0.0.1:{port}"
                 await serve_out.until(lambda line: base in line)
@@ -229,6 +229,35 @@ def test_the_shipped_model_fits_aiperfs_default_run() -> None:
     assert text_token_range(Path("/nonexistent")) is None
 
 
+def _kv(endpoint: str, replay: str | None = None) -> str:
+    config = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay}
+    return json.dumps(config)
+
+
+KV_CLASH = _kv("tcp://*:5557", "tcp://*:5558")  # rank 1's PUB on rank 0's replay port
+KV_SPACED = _kv("tcp://*:5557", "tcp://*:5559")  # apart enough for 2 ranks, not 3
+KV_IPC = _kv("ipc:///tmp/kv")  # vLLM offsets tcp ports only: every rank on one path
+KV_NO_PORT = _kv("tcp://*:x")
+
+
+def test_kv_events_configs_every_rank_can_bind_are_taken() -> None:
+    for engines, config in [
+        (2, KV_SPACED),
+        (2, _kv("tcp://*:5557", "tcp://*:5657")),
+        (8, _kv("tcp://*:0", "tcp://*:0")),
+        (8, _kv("tcp://*:5557")),
+        (1, KV_IPC),
+        (2, _kv("tcp://127.0.0.1:5557", "tcp://127.0.0.2:5558")),
+        (2, json.dumps({"endpoint": "ipc:///tmp/kv"})),  # not enabled: nothing bound
+    ]:
+        assert _kv_events_config(config, engines) == json.loads(config)
+
+
+def test_the_mock_prints_a_serve_command_routing_by_prefix_when_it_publishes() -> None:
+    command = vllm_mock_serve_command(VLLM_MOCK_URL, 2, MOCK_MODEL, prog="zmqdp", kv_events=True)
+    assert command.endswith(" --engines 2 --routing prefix --insecure")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -239,6 +268,10 @@ def test_the_shipped_model_fits_aiperfs_default_run() -> None:
         (["--eos-after", "-1"], "--eos-after"),
         (["--kv-events-config", "{"], "--kv-events-config: not JSON"),
         (["--kv-events-config", "[1]"], "--kv-events-config: a JSON object"),
+        (["--kv-events-config", KV_CLASH], "them at least 2 apart"),
+        (["--engines", "3", "--kv-events-config", KV_SPACED], "them at least 3 apart"),
+        (["--kv-events-config", KV_IPC], "every rank would bind this same endpoint"),
+        (["--kv-events-config", KV_NO_PORT], "endpoint tcp://*:x: no tcp port"),
         (["--block-size", "0"], "--block-size"),
         (["--prefill-us-per-token", "-1"], "--prefill-us-per-token"),
     ],
@@ -263,3 +296,16 @@ def test_tests_fakes_vllm_still_re_exports_the_fakes() -> None:
         assert getattr(old_fakes, name) is getattr(fakes, name), name
     for name in ("DP_INIT_KEYS", "scheduler_stats", "prefix_cache_stats", "request_error"):
         assert getattr(old_fakes, name) is getattr(fakes, name), name
+
+
+def test_a_kv_events_config_that_enables_nothing_is_pointed_out(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's engines publish nothing without ``enable_kv_cache_events``: the mock says
+    so rather than leaving serve --routing prefix in approximate mode unexplained."""
+    monkeypatch.setattr(trio, "run", lambda main: 0)  # the check, not the engines
+    argv = ["mock", "--wire", "vllm", "--kv-events-config", '{"endpoint": "tcp://*:0"}']
+    assert main(argv, prog="zmqdp") == 0
+    assert 'without "enable_kv_cache_events": true' in capsys.readouterr().err
+    assert main(["mock", "--wire", "vllm", "--kv-events-config", KV_SPACED], prog="zmqdp") == 0
+    assert "enable_kv_cache_events" not in capsys.readouterr().err

@@ -63,3 +63,33 @@ def test_the_gateway_exports_the_prefix_families() -> None:
     assert samples[("zmqdp_prefix_kv_events_stored_total", ())] == 40
     assert samples[("zmqdp_prefix_kv_events_removed_total", ())] == 3
     assert not any("bad" in name for name, _ in samples)  # no name a peer could shape
+
+
+def test_the_metrics_guide_names_every_prefix_family() -> None:
+    """docs/guides/metrics.md's `zmqdp_` table lists what a user finds in /metrics."""
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs/guides/metrics.md").read_text()
+    families = {
+        s.name.removesuffix("_total")
+        for family in metrics.GatewayCollector(
+            lambda: None, lambda: None, metrics.HTTPCounters()
+        )._prefix(STATS)
+        for s in family.samples
+        if not s.name.startswith("zmqdp_prefix_kv_events_")
+    }
+    assert families and all(f"`{name}" in guide for name in families), families
+    assert "`zmqdp_prefix_kv_events_<counter>_total`" in guide
+
+
+def test_the_guides_name_every_connect_option() -> None:
+    """The client and embedding guides' lists of `connect`'s keywords are complete
+    (`kv_events` was missing when routing="prefix" came)."""
+    import dataclasses
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs/guides"
+    names = [f.name for f in dataclasses.fields(ConnectOptions)]
+    for guide in ("client.md", "embedding.md"):
+        text = (docs / guide).read_text()
+        assert [n for n in names if f"`{n}`" not in text] == [], guide

@@ -543,3 +543,61 @@ async def test_a_lying_engine_draws_no_more_than_the_band_and_its_flood_stays_ca
                 for e in fake.engines:
                     e.frozen = False
                     e.changed.set()
+
+
+async def test_a_rank_that_publishes_no_events_is_logged_as_approximate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A user of serve --routing prefix sees why a rank is not in exact mode: its ready
+    response enables no KV events (the engines need --kv-events-config)."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        kv = KvEvents(context, enabled=True)
+        with trio.fail_after(5), caplog.at_level("INFO", logger="zmqdp"):
+            async with trio.open_nursery() as nursery:
+                assert not kv.rank_up(nursery, 1, {"block_size": 16}, "127.0.0.1")
+                off = {"kv_events_config": {**KV, "enable_kv_cache_events": False}}
+                assert not kv.rank_up(nursery, 0, off, "127.0.0.1")
+        messages = [r.getMessage() for r in caplog.records]
+        for rank in (1, 0):
+            assert any(
+                m.startswith(f"rank {rank}: its ready response enables no KV events")
+                and "--kv-events-config" in m
+                for m in messages
+            ), messages
+    finally:
+        context.term()
+
+
+async def test_a_kv_event_port_in_use_refuses_that_rank_naming_it() -> None:
+    """A KV-event port already taken (another rank's, another process's) stops that
+    fake engine as vLLM's constructor would, with why, not a traceback out of the
+    whole fake group (what `zmqdp mock` prints as `rank R stopped: ...`)."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    taken.setsockopt(zmq.LINGER, 0)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    d = tempfile.mkdtemp(prefix="zkv", dir="/tmp")
+    fake = FakeVllmGroup(f"ipc://{d}/hs", 1, kv_events={**KV, "endpoint": f"tcp://*:{port}"})
+    engine = fake.engines[0]
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                fake.nursery = nursery
+                nursery.start_soon(engine.run)
+
+                async def client() -> None:
+                    async with zmqdp.vllm.connect(fake.url, 1, ready_timeout=15.0):
+                        pass
+
+                nursery.start_soon(client)
+                await engine.stopped.wait()
+                nursery.cancel_scope.cancel()
+        assert engine.refused is not None and not engine.up.is_set()
+        assert engine.refused.startswith("its KV-event sockets: ")
+        assert f"tcp://*:{port}" in engine.refused and "in use" in engine.refused
+    finally:
+        fake.close()
+        taken.close()
+        context.term()
+        shutil.rmtree(d, ignore_errors=True)

@@ -167,7 +167,9 @@ def _mock_parser(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="publish KV events as vLLM's engines do with this --kv-events-config, e.g. "
         '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
-        '"replay_endpoint": "tcp://*:5558"} (the exact mode of serve --routing prefix)',
+        '"replay_endpoint": "tcp://*:5657"} (the exact mode of serve --routing prefix); '
+        "rank R binds each tcp port + R, as vLLM's engines do, so the two ports must be "
+        "at least --engines apart (or tcp://*:0: ports the OS picks)",
     )
 
 
@@ -302,8 +304,11 @@ VLLM_ONLY = {
 }
 
 
-def _kv_events_config(text: str | None) -> dict[str, Any] | None:
-    """`--kv-events-config`: vLLM's JSON form (a JSON object; ValueError otherwise)."""
+def _kv_events_config(text: str | None, engines: int) -> dict[str, Any] | None:
+    """`--kv-events-config`: vLLM's JSON form (a JSON object; ValueError otherwise), whose
+    sockets the group's ranks can all bind: vLLM's engines offset a tcp port by their
+    rank and leave other endpoints as given (`ZmqEventPublisher.offset_endpoint_port`),
+    so a clash only shows as one rank's bind failing, after the others started."""
     if text is None:
         return None
     try:
@@ -312,6 +317,36 @@ def _kv_events_config(text: str | None) -> dict[str, Any] | None:
         raise ValueError(f"--kv-events-config: not JSON ({exc.msg})") from None
     if not isinstance(config, dict):
         raise ValueError("--kv-events-config: a JSON object, as vLLM's")
+    if not config.get("enable_kv_cache_events"):
+        return config  # nothing published, nothing bound (as vLLM's engines)
+    ports: dict[str, tuple[str, int]] = {}
+    for key in ("endpoint", "replay_endpoint"):
+        endpoint = config.get(key, "tcp://*:5557" if key == "endpoint" else None)
+        if endpoint is None:
+            continue
+        if not isinstance(endpoint, str):
+            raise ValueError(f"--kv-events-config: {key} must be a string, not {endpoint!r}")
+        if endpoint.startswith("tcp://"):
+            host, _, port = endpoint[6:].rpartition(":")
+            if not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"--kv-events-config: {key} {endpoint}: no tcp port")
+            if int(port):  # 0: the OS picks a free port for each rank
+                ports[key] = (host, int(port))
+        elif engines > 1 and not endpoint.startswith("inproc://"):
+            raise ValueError(
+                f"--kv-events-config: {key} {endpoint}: every rank would bind this same "
+                "endpoint (vLLM offsets only tcp ports by the rank); use tcp://*:PORT"
+            )
+    if len(ports) == 2:
+        (host, a), (other, b) = ports["endpoint"], ports["replay_endpoint"]
+        wildcard = {"*", "0.0.0.0", "[::]"}
+        if (host == other or {host, other} & wildcard) and abs(a - b) < engines:
+            raise ValueError(
+                f"--kv-events-config: endpoint port {a} and replay_endpoint port {b} clash: "
+                f"rank R binds each port + R (as vLLM's engines), so {engines} ranks need "
+                f"them at least {engines} apart (e.g. replay_endpoint tcp://{host}:{a + 100}), "
+                "or tcp://*:0 for ports the OS picks"
+            )
     return config
 
 
@@ -328,13 +363,21 @@ def _wire_problem(args: argparse.Namespace) -> str | None:
 
 
 def vllm_mock_serve_command(
-    url: str, engines: int, model: str, moe: bool = False, prog: str | None = None
+    url: str,
+    engines: int,
+    model: str,
+    moe: bool = False,
+    prog: str | None = None,
+    kv_events: bool = False,
 ) -> str:
     """The `zmqdp serve --vllm` command line that fronts `zmqdp mock --wire vllm`'s
-    engines (what the mock prints as it starts)."""
+    engines (what the mock prints as it starts); engines that publish KV events are
+    there for prefix affinity's exact mode, so the command routes by prefix."""
     parts = [prog or _prog(), "serve", "--vllm", model, "--url", url, "--engines", str(engines)]
     if moe:
         parts.append("--moe")
+    if kv_events:
+        parts += ["--routing", "prefix"]
     if url.startswith("tcp://"):
         parts.append("--insecure")
     return " ".join(shlex.quote(p) if p != parts[0] else p for p in parts)
@@ -349,6 +392,7 @@ def vllm_mock_banner(
     max_model_len: int,
     moe: bool,
     version: str,
+    kv_events: bool = False,
 ) -> str:
     """What `zmqdp mock --wire vllm` prints as it starts: what it runs, and on a line of
     its own the frontend's command that connects to it."""
@@ -360,7 +404,7 @@ def vllm_mock_banner(
         f"(as `vllm serve {model} --headless --data-parallel-size {engines}`), model "
         f"{model_dir} ({max_model_len}-token context), connecting to {url}. Start the "
         "frontend with:\n"
-        f"    {vllm_mock_serve_command(url, engines, model, moe)}"
+        f"    {vllm_mock_serve_command(url, engines, model, moe, kv_events=kv_events)}"
     )
 
 
@@ -397,10 +441,16 @@ def run_vllm_mock(args: argparse.Namespace) -> int:
             raise ValueError("--block-size and --num-gpu-blocks: at least 1")
         if args.prefill_us_per_token < 0:
             raise ValueError("--prefill-us-per-token: 0 or more")
-        kv_events = _kv_events_config(args.kv_events_config)
+        kv_events = _kv_events_config(args.kv_events_config, engines)
     except ValueError as exc:
         print(f"zmqdp mock: error: {exc}", file=sys.stderr)
         return 2
+    if kv_events is not None and not kv_events.get("enable_kv_cache_events"):
+        print(
+            'zmqdp mock: note: --kv-events-config without "enable_kv_cache_events": true: '
+            "the engines publish no KV events (as vLLM's)",
+            file=sys.stderr,
+        )
     settings = model_settings(directory)
     if args.max_model_len is not None:
         settings["max_model_len"] = args.max_model_len
@@ -449,6 +499,7 @@ def run_vllm_mock(args: argparse.Namespace) -> int:
                     group.max_model_len,
                     args.moe,
                     args.vllm_version,
+                    kv_events=bool(kv_events and kv_events.get("enable_kv_cache_events")),
                 )
                 print(banner, flush=True)
                 await run_fake_group(group, ranks, report)

@@ -134,8 +134,9 @@ class Request:
     """The prompt's token ids, for ``routing="prefix"`` (None: routed by load alone, as
     any other routing does). Client-side only: never sent (the body is what the engine
     gets); the group hashes them by blocks to find the rank that probably caches the
-    longest prefix (docs/design.md, "Prefix affinity"). Not a sequence of ints:
-    `InvalidRequest` at submit."""
+    longest prefix (docs/design.md, "Prefix affinity"). A list or tuple of ints is
+    used as it is; a range or a numpy array of integers is converted (``list(ids)``).
+    Not a sequence of ints: `InvalidRequest` at submit."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,41 @@ def test_integer_likes_become_ints() -> None:
     assert prepared.prefix == ([5, 6], 0)
 
 
+class _Array:
+    """An array-like that is no `Sequence` (as numpy's arrays): len, items, iteration."""
+
+    def __init__(self, *items: Any) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+    def __iter__(self) -> Any:
+        return iter(self.items)
+
+
+def test_array_likes_and_ranges_become_lists_of_ints() -> None:
+    wire = NativeWire()
+    for tokens in (_Array(_Index(5), 6), range(5, 7)):
+        assert wire.prepare(Request("a", tokens=tokens), [], 0.0).prefix == ([5, 6], 0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match=r"holds 1\.5"):
+        wire.prepare(Request("a", tokens=_Array(1, 1.5)), [], 0.0)  # type: ignore[arg-type]
+
+
+def test_numpy_arrays_of_token_ids_are_taken() -> None:
+    np = pytest.importorskip("numpy")
+    wire = NativeWire()
+    for dtype in (np.int64, np.int32, np.uint32):
+        tokens = np.arange(40, dtype=dtype)
+        assert wire.prepare(Request("a", tokens=tokens), [], 0.0).prefix == (list(range(40)), 0)
+    for bad in (np.array(5), np.zeros((2, 2), dtype=np.int64), np.array([1.5])):
+        with pytest.raises(InvalidRequest, match=r"'a'.*tokens"):
+            wire.prepare(Request("a", tokens=bad), [], 0.0)
+
+
 @pytest.mark.parametrize("tokens", ["abc", b"ab", [1, "2"], [1, True], {1: 2}, 5, [1.5]])
 def test_tokens_that_are_no_sequence_of_ints_are_refused_naming_the_request(tokens: Any) -> None:
     with pytest.raises(InvalidRequest) as info:

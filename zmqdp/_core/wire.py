@@ -29,26 +29,30 @@ R_contra = TypeVar("R_contra", contravariant=True)
 
 def check_tokens(request_id: Any, tokens: Any, what: str = "tokens") -> Sequence[int]:
     """`Request.tokens` as the prefix index takes them: a list or tuple of ints as it
-    is (bools refused), any other sequence of integer-likes as a list of ints (numpy's
-    arrays too: sized and iterable, though no registered `Sequence`); anything else
-    (a str, a mapping, a generator: no length) raises `InvalidRequest` naming the
-    request (`what`: the field's name, for the message)."""
+    is (bools refused), any other sequence of integer-likes (a range, numpy's arrays,
+    which are sized and iterable but no registered `Sequence`) as a list of ints;
+    anything else (a str, a mapping, a generator: no length; a 0-d array: no items)
+    raises `InvalidRequest` naming the request (`what`: the field's name)."""
     if (type(tokens) is list or type(tokens) is tuple) and all(type(t) is int for t in tokens):
         return tokens
+    refused = (
+        f"{what} must be a sequence of ints{' or None' if what == 'tokens' else ''}, "
+        f"not {quote(tokens)}"
+    )
     if isinstance(tokens, (str, bytes, bytearray, Mapping)) or not (
         isinstance(tokens, Sequence) or (hasattr(tokens, "__len__") and hasattr(tokens, "__iter__"))
     ):
-        raise InvalidRequest(
-            str(request_id),
-            f"{what} must be a sequence of ints{' or None' if what == 'tokens' else ''}, "
-            f"not {quote(tokens)}",
-        )
+        raise InvalidRequest(str(request_id), refused)
     try:
-        if any(type(t) is bool for t in tokens):
-            raise TypeError("a bool")
-        return [operator.index(t) for t in tokens]
+        items = list(tokens)  # a 0-d array has __len__ but no items
     except TypeError:
-        bad = next((t for t in tokens if type(t) is bool or not _is_index(t)), None)
+        raise InvalidRequest(str(request_id), refused) from None
+    try:
+        if any(type(t) is bool for t in items):
+            raise TypeError("a bool")
+        return [operator.index(t) for t in items]
+    except TypeError:
+        bad = next((t for t in items if type(t) is bool or not _is_index(t)), None)
         raise InvalidRequest(
             str(request_id), f"{what} must be a sequence of ints, and holds {quote(bad)}"
         ) from None

@@ -218,7 +218,15 @@ class KvEvents:
         if not self.enabled:
             return False
         ends = event_endpoints(info.get("kv_events_config"), host or "127.0.0.1")
-        if ends is None:
+        if ends is None:  # why routing="prefix" stays approximate for this rank
+            self._logs.log(
+                logging.INFO,
+                "none",
+                "rank %d: its ready response enables no KV events (engines started "
+                "without --kv-events-config, or it is disabled): prefix routing predicts "
+                "what the rank caches (approximate mode)",
+                rank,
+            )
             return False
         pub, replay = ends
         if not _followable(pub) or (replay is not None and not _followable(replay)):

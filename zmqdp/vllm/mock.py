@@ -662,7 +662,13 @@ class FakeVllmEngine:
         if addrs.get("coordinator_input") is not None:
             xsub = self._socket(zmq.XSUB, addrs["coordinator_input"])
             await xsub.send([b"\x01"])
-        kv_pub, kv_replay = self._open_kv_events()  # the scheduler's, made before READY
+        try:
+            kv_pub, kv_replay = self._open_kv_events()  # the scheduler's, made before READY
+        except zmq.ZMQError as exc:  # vLLM's constructor raises: this rank never starts
+            return self._refuse(
+                f"its KV-event sockets: {exc} (each rank binds the "
+                "--kv-events-config tcp ports + its rank)"
+            )
         await inp.send([enc(self.ready_response())])
         if xsub is not None:  # "Waiting for READY message from DP Coordinator..."
             while True:
