@@ -23,7 +23,8 @@ def test_the_choices_are_what_connect_options_accepts() -> None:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     text = parser.format_help()
-    assert "--routing {speed,least-loaded}" in text and "fair share" in text
+    assert "--routing {speed,least-loaded,prefix}" in text and "fair share" in text
+    assert "--no-kv-events" in text
 
 
 def test_an_unknown_routing_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,7 +33,17 @@ def test_an_unknown_routing_is_refused(capsys: pytest.CaptureFixture[str]) -> No
     assert "invalid choice: 'round-robin'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("argv", "speed"), [((), True), (("--routing", "least-loaded"), False)])
+def test_no_kv_events_is_refused_where_no_engine_publishes_them() -> None:
+    with pytest.raises(SystemExit, match="--no-kv-events is for --routing prefix"):
+        serve.app_from_args(parse("--routing", "prefix", "--no-kv-events"))
+    with pytest.raises(SystemExit, match="--no-kv-events is for --routing prefix"):
+        serve.app_from_args(parse("--no-kv-events"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "speed"),
+    [((), True), (("--routing", "least-loaded"), False), (("--routing", "prefix"), True)],
+)
 async def test_the_routing_reaches_the_group(argv: tuple[str, ...], speed: bool) -> None:
     from tests.test_gateway import serving
 
@@ -43,3 +54,6 @@ async def test_the_routing_reaches_the_group(argv: tuple[str, ...], speed: bool)
         group = app.group
         assert group is not None
         assert group._core.routing._speed is speed  # type: ignore[attr-defined]
+        assert (group._core.prefix is not None) is ("prefix" in argv)  # type: ignore[attr-defined]
+        metrics = (await client.get("/metrics")).text
+        assert ("zmqdp_prefix_blocks" in metrics) is ("prefix" in argv)

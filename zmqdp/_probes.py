@@ -7,7 +7,7 @@ from typing import Any, cast
 
 from ._core.state import GroupCore
 from ._transport import TransportStatistics
-from .values import GroupHealth, GroupStatistics, RankState, RankStatistics
+from .values import GroupHealth, GroupStatistics, PrefixStatistics, RankState, RankStatistics
 
 __all__ = ["group_health", "group_statistics"]
 
@@ -92,4 +92,24 @@ def group_statistics(
         impersonations=t.impersonations,
         connections_lost=t.connections_lost,
         routes_restored=t.routes_restored,
+        prefix=prefix_statistics(core),
+    )
+
+
+def prefix_statistics(core: GroupCore[Any]) -> PrefixStatistics | None:
+    """Prefix affinity's counters and the index's size (None: ``routing`` is not
+    "prefix")."""
+    index = core.prefix
+    if index is None:
+        return None
+    routing = core.routing
+    return PrefixStatistics(
+        routed=routing.prefix_routed,
+        hits=routing.prefix_hits,
+        cached_tokens=routing.prefix_cached_tokens,
+        prompt_tokens=routing.prefix_prompt_tokens,
+        blocks=index.total,
+        rank_blocks=tuple(index.blocks(r) for r in range(core.size)),
+        exact_ranks=tuple(r for r in range(core.size) if index.is_exact(r)),
+        kv_events=dict(core.kv_events),
     )

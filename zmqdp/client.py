@@ -248,7 +248,8 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
                 recover_timeout=options.recover_timeout
                 or options.ready_timeout
                 or dialect.wire.default_ready_timeout,
-                speed=options.routing == "speed",
+                speed=options.routing != "least-loaded",
+                prefix=options.routing == "prefix",
             )
             group = cast(
                 EngineGroup[S],
@@ -346,7 +347,9 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
         stream = self.stream_class._create(prepared.id, self._close_stream, self._max_buffered)
         timeout = prepared.timeout if prepared.timeout is not None else self._request_timeout
         now = trio.current_time()
-        sub = self._core.submit(prepared.id, prepared.body, stream, prepared.rank, now, timeout)
+        sub = self._core.submit(
+            prepared.id, prepared.body, stream, prepared.rank, now, timeout, prepared.prefix
+        )
         stream.rank = sub.rank
         stream.wire_id = sub.wire_id
         stream._interval = interval

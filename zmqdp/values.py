@@ -20,7 +20,7 @@ import enum
 import inspect
 import math
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypedDict, TypeVar
 
@@ -47,6 +47,7 @@ __all__ = [
     "EngineInfo",
     "GroupHealth",
     "GroupStatistics",
+    "PrefixStatistics",
     "RankState",
     "RankStatistics",
     "Request",
@@ -129,6 +130,12 @@ class Request:
     `RequestTimeout`."""
     stream_interval: int | None = None
     """`ConnectOptions.stream_interval` for this request alone (None: the group's)."""
+    tokens: Sequence[int] | None = None
+    """The prompt's token ids, for ``routing="prefix"`` (None: routed by load alone, as
+    any other routing does). Client-side only: never sent (the body is what the engine
+    gets); the group hashes them by blocks to find the rank that probably caches the
+    longest prefix (docs/design.md, "Prefix affinity"). Not a sequence of ints:
+    `InvalidRequest` at submit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +179,29 @@ class RankStatistics:
         """JSON-safe (module docstring): ``{"rank": 0, "state": "up", "load": {"waiting":
         0, "running": 0, "kv": 0.0 or None}, ..., "ttft": {histogram}, ...}``."""
         return _json(self)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixStatistics:
+    """Prefix affinity (``routing="prefix"``) since connect: `GroupStatistics.prefix`."""
+
+    routed: int
+    """Requests routed with token ids (unpinned)."""
+    hits: int
+    """Of those, requests sent to a rank believed to cache a prefix of their prompt."""
+    cached_tokens: int
+    """Prompt tokens those ranks were believed to cache (predicted, not measured: the
+    engines' own count is in their outputs, e.g. vLLM's ``num_cached_tokens``)."""
+    prompt_tokens: int
+    """Prompt tokens of the requests routed with token ids."""
+    blocks: int
+    """Entries in the index now, over all ranks (bounded: `max_blocks`)."""
+    rank_blocks: tuple[int, ...]
+    """Entries per rank now."""
+    exact_ranks: tuple[int, ...]
+    """Ranks whose KV events are live (exact mode)."""
+    kv_events: dict[str, int] = dataclasses.field(default_factory=dict)
+    """KV-event counters summed over the ranks (vLLM's wire; empty otherwise)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +283,8 @@ class GroupStatistics:
     """Natively: times the client ended the connections of an engine that another
     process with the rank's identity had displaced (`ROUTER_HANDOVER` leaves them open
     with no route), so that the engine reconnects and hears its RESYNC."""
+    prefix: PrefixStatistics | None = None
+    """Prefix affinity's counters (``routing="prefix"``), else None."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe (module docstring): every field, `ranks` a list of
@@ -317,7 +349,7 @@ class ConnectOptions:
     """Admission control: requests in flight per rank (an int; "info": each rank's
     `max_num_seqs` from its handshake info, uncapped if it sends none; None: no cap).
     A submit that finds no room raises `Overloaded`; `wait_submit` waits."""
-    routing: Literal["least-loaded", "speed"] = "speed"
+    routing: Literal["least-loaded", "speed", "prefix"] = "speed"
     """How an unpinned request's rank is chosen. "speed" (the default): the rank that
     would finish it first, from each rank's step time (measured from the cadence of its
     outputs, and counted only once its requests finish: a rank cannot look fast by
@@ -326,7 +358,17 @@ class ConnectOptions:
     wait longer, and equally fast ranks (within 25 %) share them as least-loaded does.
     Timing takes a rank at most 2 x its capacity past its least-loaded share.
     "least-loaded": the rank holding the fewest requests (its own count or its last
-    load report, whichever is higher), whatever its speed."""
+    load report, whichever is higher), whatever its speed.
+    "prefix": "speed", except that a request with token ids (`Request.tokens`; vLLM's
+    `prompt_token_ids`) goes to the rank that probably caches the longest prefix of
+    its prompt, among the ranks within a load band (a quarter over the least-loaded
+    one, plus two requests); lockstep groups minimise the largest pending prefill
+    instead (docs/design.md, "Prefix affinity")."""
+    kv_events: bool = True
+    """With ``routing="prefix"``, on vLLM's wire: subscribe to the KV events of every
+    rank whose ready response enables them (``--kv-events-config``), and route by what
+    it says it caches (exact mode). False: by what was sent where alone (approximate
+    mode, as on the native wire, where this does nothing)."""
     request_timeout: float | None = None
     """Seconds: the deadline of every request without its own `timeout` (None: none);
     past it the request is aborted on its rank and its stream raises `RequestTimeout`."""
@@ -399,8 +441,12 @@ class ConnectOptions:
         mi = self.max_inflight
         if mi not in (None, "info") and (type(mi) is not int or mi < 1):
             raise ValueError(f"max_inflight must be a positive int, 'info' or None, got {mi!r}")
-        if self.routing not in ("least-loaded", "speed"):
-            raise ValueError(f"routing must be 'least-loaded' or 'speed', got {self.routing!r}")
+        if self.routing not in ("least-loaded", "speed", "prefix"):
+            raise ValueError(
+                f"routing must be 'least-loaded', 'speed' or 'prefix', got {self.routing!r}"
+            )
+        if type(self.kv_events) is not bool:
+            raise ValueError(f"kv_events must be a bool, got {self.kv_events!r}")
         check_timeout("request_timeout", self.request_timeout)
         rt = self.recover_timeout
         if rt is not None and (type(rt) not in (int, float) or not 0 < rt < math.inf):
@@ -430,7 +476,8 @@ class ConnectKeywords(TypedDict, total=False):
     max_message_size: int
     max_buffered: int | None
     max_inflight: int | Literal["info"] | None
-    routing: Literal["least-loaded", "speed"]
+    routing: Literal["least-loaded", "speed", "prefix"]
+    kv_events: bool
     request_timeout: float | None
     curve: Any
     insecure: bool

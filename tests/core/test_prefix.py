@@ -80,6 +80,13 @@ test_pick_guarantees = settings(max_examples=500, deadline=None)(pick_property(p
         (mutants.LeakyIndex, "distinct blocks kept"),
         (mutants.KeepsForgottenIndex, "match of|blocks, expected"),
         (mutants.StaleInsertIndex, "match of|blocks, expected"),
+        (mutants.StaleStoreIndex, "match of|blocks, expected"),
+        (mutants.HoldBlindIndex, "match of"),
+        (mutants.UnboundedStoreIndex, "past its limit|past max_blocks|blocks, expected"),
+        (mutants.LongPredictionsIndex, "blocks, expected|match of"),
+        (mutants.DropForgetsIndex, "blocks, expected|match of|exact mode"),
+        (mutants.UsageShrinksExactIndex, "blocks, expected|match of"),
+        (mutants.RemoveKeepsPredictedIndex, "blocks, expected|match of"),
     ],
     ids=lambda v: getattr(v, "__name__", str(v)),
 )

@@ -365,7 +365,7 @@ class LeakyIndex(PrefixIndex):
         blocks = self._blocks[rank]
         holders = self._holders
         for _ in range(count):
-            h, _ = blocks.popitem(last=False)
+            h, _ = (blocks or self._stored[rank]).popitem(last=False)
             holders[h] &= ~(1 << rank)
         self._total -= count
 
@@ -408,3 +408,87 @@ def pick_trusting(loads: Sequence[float], cached: Sequence[int], prompt: int, **
     """Counts a rank's cached tokens as claimed, past the prompt: a liar outbids a whole
     hit. (Only clamping reads `prompt` besides the constant in every lockstep cost.)"""
     return pick(loads, cached, max([prompt, *cached]), **kw)
+
+
+# -- prefix affinity, exact mode (KV events; caught by tests/models/prefix.py) -----------
+
+
+class StaleStoreIndex(PrefixIndex):
+    """Applies a BlockStored of a rank's previous incarnation."""
+
+    def store(self, rank: int, keys: Sequence[int], incarnation: int | None = None) -> None:
+        super().store(rank, keys)
+
+
+class HoldBlindIndex(PrefixIndex):
+    """Reports a rank's entries while a replay holds them."""
+
+    def hold(self, rank: int, held: bool, incarnation: int | None = None) -> None:
+        pass
+
+
+class UnboundedStoreIndex(PrefixIndex):
+    """Exact entries count toward neither the rank's limit nor the global cap: a
+    flooding engine grows the index without bound."""
+
+    def store(self, rank: int, keys: Sequence[int], incarnation: int | None = None) -> None:
+        limit, max_blocks = self.rank_blocks, self.max_blocks
+        self.max_blocks = 1 << 62
+        capacity = self._capacity[rank]
+        self._capacity[rank] = self.rank_blocks = 1 << 62
+        try:
+            super().store(rank, keys, incarnation)
+        finally:
+            self.rank_blocks, self.max_blocks = limit, max_blocks
+            self._capacity[rank] = capacity
+
+
+class LongPredictionsIndex(PrefixIndex):
+    """Keeps every approximate entry once events are live: what the engine evicted
+    without telling (or never stored) stays believed."""
+
+    def set_exact(self, rank: int, on: bool, incarnation: int | None = None) -> None:
+        predicted = self.predicted_blocks
+        self.predicted_blocks = 1 << 62
+        try:
+            super().set_exact(rank, on, incarnation)
+        finally:
+            self.predicted_blocks = predicted
+
+    def insert(self, rank: int, hashes: Sequence[int], incarnation: int | None = None) -> None:
+        predicted = self.predicted_blocks
+        self.predicted_blocks = 1 << 62
+        try:
+            super().insert(rank, hashes, incarnation)
+        finally:
+            self.predicted_blocks = predicted
+
+
+class DropForgetsIndex(PrefixIndex):
+    """Treats AllBlocksCleared as a new incarnation: the rank's next events are stale."""
+
+    def drop(self, rank: int, incarnation: int | None = None) -> None:
+        if incarnation is None or incarnation == self.incarnation(rank):
+            self.forget(rank)
+
+
+class UsageShrinksExactIndex(PrefixIndex):
+    """Shrinks an exact rank by its KV usage, as an approximate one: blocks the engine
+    said it holds are forgotten while it is busy."""
+
+    def limit(self, rank: int) -> int:
+        exact = self._exact[rank]
+        self._exact[rank] = False
+        try:
+            return super().limit(rank)
+        finally:
+            self._exact[rank] = exact
+
+
+class RemoveKeepsPredictedIndex(PrefixIndex):
+    """A BlockRemoved removes only stored entries: a predicted one the engine evicted
+    stays believed."""
+
+    def remove(self, rank: int, keys: Sequence[int], incarnation: int | None = None) -> None:
+        stored = self._stored[rank]
+        super().remove(rank, [k for k in keys if k in stored], incarnation)

@@ -30,21 +30,36 @@ Prefix = tuple[int, ...]
 
 class Reference:
     def __init__(
-        self, size: int, block_size: int, max_blocks: int, rank_blocks: int, min_blocks: int
+        self,
+        size: int,
+        block_size: int,
+        max_blocks: int,
+        rank_blocks: int,
+        min_blocks: int,
+        predicted_blocks: int = 1 << 30,
     ) -> None:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.rank_blocks = min(rank_blocks, max_blocks)
         self.min_blocks = min(min_blocks, self.rank_blocks)
+        self.predicted_blocks = predicted_blocks
         self.lru: list[list[Prefix]] = [[] for _ in range(size)]
+        # exact mode: what the engine said it stores, oldest store first
+        self.stored: list[list[Prefix]] = [[] for _ in range(size)]
+        self.exact = [False] * size
+        self.held = [False] * size
+        self.incarnation = [0] * size
         self.capacity: list[int | None] = [None] * size
         self.usage = [0.0] * size
 
     def limit(self, rank: int) -> int:
         capacity = self.capacity[rank]
         c = self.rank_blocks if capacity is None else capacity
-        u = self.usage[rank]
+        u = 0.0 if self.exact[rank] else self.usage[rank]
         return min(self.rank_blocks, max(self.min_blocks, round(c * (1.0 - u))))
+
+    def count(self, rank: int) -> int:
+        return len(self.lru[rank]) + len(self.stored[rank])
 
     def prefixes(self, tokens: Sequence[int]) -> list[Prefix]:
         b = self.block_size
@@ -52,11 +67,11 @@ class Reference:
 
     def match(self, tokens: Sequence[int]) -> list[int]:
         out = []
-        for lru in self.lru:
-            held = set(lru)
+        for rank, lru in enumerate(self.lru):
+            held = set(lru) | set(self.stored[rank])
             n = 0
             for p in self.prefixes(tokens):
-                if p not in held:
+                if self.held[rank] or p not in held:
                     break
                 n += 1
             out.append(n)
@@ -64,23 +79,70 @@ class Reference:
 
     def insert(self, rank: int, tokens: Sequence[int]) -> None:
         lru = self.lru[rank]
-        for p in reversed(self.prefixes(tokens)[: self.limit(rank)]):
+        limit = self.limit(rank)
+        if self.exact[rank]:
+            limit = min(limit, self.predicted_blocks)
+        for p in reversed(self.prefixes(tokens)[:limit]):
+            if p in self.stored[rank]:
+                continue
             if p in lru:
                 lru.remove(p)
             lru.append(p)
         self.shrink(rank)
-        while sum(len(x) for x in self.lru) > self.max_blocks:
-            counts = [len(x) for x in self.lru]
-            self.lru[counts.index(max(counts))].pop(0)
+        self.cap()
+
+    def store(self, rank: int, prefixes: list[Prefix]) -> None:
+        stored = self.stored[rank]
+        for p in prefixes:
+            if p in stored:
+                stored.remove(p)
+            elif p in self.lru[rank]:
+                self.lru[rank].remove(p)
+            stored.append(p)
+        self.shrink(rank)
+        self.cap()
+
+    def remove(self, rank: int, prefixes: list[Prefix]) -> None:
+        for p in prefixes:
+            for entries in (self.stored[rank], self.lru[rank]):
+                if p in entries:
+                    entries.remove(p)
+
+    def set_exact(self, rank: int, on: bool) -> None:
+        if self.exact[rank] == on:
+            return
+        self.exact[rank] = on
+        if not on:
+            self.lru[rank] = self.stored[rank] + self.lru[rank]
+            self.stored[rank] = []
+        self.shrink(rank)
+
+    def cap(self) -> None:
+        while sum(self.count(r) for r in range(len(self.lru))) > self.max_blocks:
+            counts = [self.count(r) for r in range(len(self.lru))]
+            self.evict(counts.index(max(counts)), 1)
+
+    def evict(self, rank: int, n: int) -> None:
+        for _ in range(n):
+            (self.lru[rank] or self.stored[rank]).pop(0)
 
     def shrink(self, rank: int) -> None:
-        lru = self.lru[rank]
-        del lru[: max(0, len(lru) - self.limit(rank))]
+        excess = self.count(rank) - self.limit(rank)
+        if self.exact[rank]:
+            excess = max(excess, len(self.lru[rank]) - self.predicted_blocks)
+        self.evict(rank, max(0, excess))
+
+    def drop(self, rank: int) -> None:
+        self.lru[rank] = []
+        self.stored[rank] = []
 
     def forget(self, rank: int) -> None:
-        self.lru[rank] = []
+        self.drop(rank)
         self.capacity[rank] = None
         self.usage[rank] = 0.0
+        self.exact[rank] = False
+        self.held[rank] = False
+        self.incarnation[rank] += 1
 
 
 TOKENS = st.lists(st.integers(0, 2), max_size=14)
@@ -97,9 +159,16 @@ class IndexMachine(RuleBasedStateMachine):
         max_blocks=st.integers(1, 24),
         rank_blocks=st.integers(1, 16),
         min_blocks=st.integers(0, 4),
+        predicted_blocks=st.integers(0, 4),
     )
     def setup(
-        self, size: int, block_size: int, max_blocks: int, rank_blocks: int, min_blocks: int
+        self,
+        size: int,
+        block_size: int,
+        max_blocks: int,
+        rank_blocks: int,
+        min_blocks: int,
+        predicted_blocks: int,
     ) -> None:
         self.size = size
         self.index = self.index_cls(
@@ -108,20 +177,73 @@ class IndexMachine(RuleBasedStateMachine):
             max_blocks=max_blocks,
             rank_blocks=rank_blocks,
             min_blocks=min_blocks,
+            predicted_blocks=predicted_blocks,
         )
-        self.ref = Reference(size, block_size, max_blocks, rank_blocks, min_blocks)
+        self.ref = Reference(
+            size, block_size, max_blocks, rank_blocks, min_blocks, predicted_blocks
+        )
         self.sent: list[list[int]] = []
+
+    def incarnation(self, rank: int, stale: bool) -> int:
+        """The reference's incarnation of `rank` (the one before it if `stale`): the
+        machine tracks it itself, so an index that moves its own is caught."""
+        return self.ref.incarnation[rank] - stale
 
     @rule(rank=st.integers(0, 3), tokens=TOKENS, stale=st.booleans())
     def insert(self, rank: int, tokens: list[int], stale: bool) -> None:
         rank %= self.size
-        current = self.index.incarnation(rank)
-        if stale:  # a prompt of the incarnation before: ignored
-            self.index.insert(rank, self.index.chain(tokens), current - 1)
-        else:
-            self.index.insert(rank, self.index.chain(tokens), current)
+        self.index.insert(rank, self.index.chain(tokens), self.incarnation(rank, stale))
+        if not stale:  # a prompt of the incarnation before is ignored
             self.ref.insert(rank, tokens)
         self.sent.append(tokens)
+
+    # -- exact mode: what KV events tell -------------------------------------------------
+
+    @rule(rank=st.integers(0, 3), tokens=TOKENS, start=st.integers(0, 4), stale=st.booleans())
+    def store(self, rank: int, tokens: list[int], start: int, stale: bool) -> None:
+        """BlockStored: a chain's blocks from `start` on (their parents stored before)."""
+        rank %= self.size
+        self.index.store(rank, self.index.chain(tokens)[start:], self.incarnation(rank, stale))
+        if not stale:
+            self.ref.store(rank, self.ref.prefixes(tokens)[start:])
+        self.sent.append(tokens)
+
+    @rule(rank=st.integers(0, 3), data=st.data(), stale=st.booleans())
+    def remove(self, rank: int, data: st.DataObject, stale: bool) -> None:
+        """BlockRemoved: some blocks of a prompt sent or stored before."""
+        rank %= self.size
+        if not self.sent:
+            return
+        tokens = data.draw(st.sampled_from(self.sent))
+        n = len(self.ref.prefixes(tokens))
+        which = sorted(data.draw(st.sets(st.integers(0, max(n - 1, 0)), max_size=n)))
+        which = [i for i in which if i < n]
+        keys = self.index.chain(tokens)
+        self.index.remove(rank, [keys[i] for i in which], self.incarnation(rank, stale))
+        if not stale:
+            prefixes = self.ref.prefixes(tokens)
+            self.ref.remove(rank, [prefixes[i] for i in which])
+
+    @rule(rank=st.integers(0, 3), stale=st.booleans())
+    def drop(self, rank: int, stale: bool) -> None:
+        rank %= self.size
+        self.index.drop(rank, self.incarnation(rank, stale))
+        if not stale:
+            self.ref.drop(rank)
+
+    @rule(rank=st.integers(0, 3), held=st.booleans(), stale=st.booleans())
+    def hold(self, rank: int, held: bool, stale: bool) -> None:
+        rank %= self.size
+        self.index.hold(rank, held, self.incarnation(rank, stale))
+        if not stale:
+            self.ref.held[rank] = held
+
+    @rule(rank=st.integers(0, 3), on=st.booleans(), stale=st.booleans())
+    def set_exact(self, rank: int, on: bool, stale: bool) -> None:
+        rank %= self.size
+        self.index.set_exact(rank, on, self.incarnation(rank, stale))
+        if not stale:
+            self.ref.set_exact(rank, on)
 
     @rule(rank=st.integers(0, 3), blocks=st.none() | st.integers(0, 20))
     def capacity(self, rank: int, blocks: int | None) -> None:
@@ -129,6 +251,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.set_capacity(rank, blocks)
         self.ref.capacity[rank] = blocks
         self.ref.shrink(rank)
+        self.ref.cap()
 
     @rule(rank=st.integers(0, 3), kv=st.sampled_from([0.0, 0.3, 0.5, 0.9, 1.0, 1.5, math.nan]))
     def usage(self, rank: int, kv: float) -> None:
@@ -136,6 +259,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.observe_usage(rank, kv)
         self.ref.usage[rank] = min(kv, 1.0) if kv > 0 else 0.0
         self.ref.shrink(rank)
+        self.ref.cap()
 
     @rule(rank=st.integers(0, 3))
     def forget(self, rank: int) -> None:
@@ -166,9 +290,14 @@ class IndexMachine(RuleBasedStateMachine):
         for r in range(self.size):
             n = index.blocks(r)
             assert n <= ref.limit(r), f"rank {r} keeps {n} blocks past its limit {ref.limit(r)}"
-            assert n == len(ref.lru[r]), f"rank {r} keeps {n} blocks, expected {len(ref.lru[r])}"
+            assert n == ref.count(r), f"rank {r} keeps {n} blocks, expected {ref.count(r)}"
+            stored = index.stored(r)
+            assert stored == len(ref.stored[r]), (
+                f"rank {r} keeps {stored} stored blocks, expected {len(ref.stored[r])}"
+            )
+            assert index.is_exact(r) == ref.exact[r], f"rank {r}: exact mode differs"
         assert index.total == sum(index.blocks(r) for r in range(self.size))
-        distinct = len({p for lru in ref.lru for p in lru})
+        distinct = len({p for entries in ref.lru + ref.stored for p in entries})
         assert index.distinct == distinct, f"{index.distinct} distinct blocks kept, {distinct} held"
 
 

@@ -80,6 +80,7 @@ __all__ = [
     "block_key",
     "BAND",
     "BLOCK_SIZE",
+    "PREDICTED_BLOCKS",
     "SLACK",
     "PrefixIndex",
     "chain",
@@ -94,6 +95,12 @@ win by its cache."""
 SLACK = 2.0
 """`pick`: how far above the least load, in load units (requests for the least-loaded
 score), a rank may be and still win by its cache."""
+
+PREDICTED_BLOCKS = 512
+"""Exact mode (`PrefixIndex.set_exact`): the most approximate entries a rank keeps once
+its KV events are live. An engine reports a block only after it computed it (prefill),
+so the prompts just sent are predicted for that long; older ones are the events' to
+tell."""
 
 
 def block_key(parent: int | None, block: Sequence[int]) -> int:
@@ -122,13 +129,17 @@ class PrefixIndex:
     __slots__ = (
         "_blocks",
         "_capacity",
+        "_exact",
+        "_held",
         "_holders",
         "_incarnation",
+        "_stored",
         "_total",
         "_usage",
         "block_size",
         "max_blocks",
         "min_blocks",
+        "predicted_blocks",
         "rank_blocks",
         "size",
     )
@@ -141,6 +152,7 @@ class PrefixIndex:
         max_blocks: int = 1 << 20,
         rank_blocks: int | None = None,
         min_blocks: int = 64,
+        predicted_blocks: int = PREDICTED_BLOCKS,
     ) -> None:
         if size < 1:
             raise ValueError(f"a group needs at least one rank, got {size}")
@@ -151,8 +163,15 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self.rank_blocks = max_blocks if rank_blocks is None else min(rank_blocks, max_blocks)
         self.min_blocks = min(max(min_blocks, 0), self.rank_blocks)
+        self.predicted_blocks = max(predicted_blocks, 0)
+        """Exact mode: the most approximate entries (predictions) a rank keeps."""
         self._holders: dict[int, int] = {}  # block hash -> bit mask of the ranks holding it
+        # per rank: approximate entries (predictions in exact mode), least recent first
         self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
+        # per rank: blocks its KV events say it holds (exact mode), oldest store first
+        self._stored: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
+        self._exact = [False] * size
+        self._held = 0  # bit mask of the ranks `hold` hides from `match`
         self._capacity: list[int | None] = [None] * size
         self._usage = [0.0] * size
         self._incarnation = [0] * size
@@ -162,12 +181,25 @@ class PrefixIndex:
 
     def limit(self, rank: int) -> int:
         """How many blocks `rank` is assumed to keep: its capacity (or `rank_blocks`)
-        times one minus its KV usage, at least `min_blocks`, at most `rank_blocks`."""
+        times one minus its KV usage, at least `min_blocks`, at most `rank_blocks`.
+        In exact mode, its capacity whatever its usage (its events tell what it holds,
+        in use or not)."""
         capacity = self._capacity[rank]
         blocks = self.rank_blocks if capacity is None else capacity
-        kept = round(blocks * (1.0 - self._usage[rank]))
+        kept = blocks if self._exact[rank] else round(blocks * (1.0 - self._usage[rank]))
         kept = max(kept, self.min_blocks)
         return min(kept, self.rank_blocks)
+
+    def set_block_size(self, block_size: int) -> None:
+        """The engines' block size (vLLM's ready response: exact keys must be the
+        engine's blocks). A change clears every rank's entries (their keys hashed other
+        blocks); incarnations, capacities, usage and modes stay."""
+        if type(block_size) is not int or block_size < 1:
+            raise ValueError(f"a block size must be a positive int, got {block_size!r}")
+        if block_size != self.block_size:
+            self.block_size = block_size
+            for rank in range(self.size):
+                self._clear(rank)
 
     def set_capacity(self, rank: int, blocks: int | None) -> None:
         """`rank`'s KV cache holds `blocks` blocks (vLLM's ``num_gpu_blocks``; None or
@@ -187,22 +219,123 @@ class PrefixIndex:
 
     def forget(self, rank: int, incarnation: int | None = None) -> None:
         """`rank` died or was replaced: drop its entries, its capacity and usage (the new
-        incarnation reports its own), and take `incarnation` (default: the next) as its
-        current one."""
+        incarnation reports its own), leave exact mode and any `hold`, and take
+        `incarnation` (default: the next) as its current one."""
+        self._clear(rank)
+        self._capacity[rank] = None
+        self._usage[rank] = 0.0
+        self._exact[rank] = False
+        self._held &= ~(1 << rank)
+        current = self._incarnation[rank]
+        self._incarnation[rank] = current + 1 if incarnation is None else incarnation
+
+    def _clear(self, rank: int) -> None:
+        """Drop every entry of `rank`, approximate and exact."""
         bit = ~(1 << rank)
         holders = self._holders
-        for h in self._blocks[rank]:
+        for entries in (self._blocks[rank], self._stored[rank]):
+            for h in entries:
+                mask = holders.get(h, 0) & bit
+                if mask:
+                    holders[h] = mask
+                else:
+                    holders.pop(h, None)
+        self._total -= len(self._blocks[rank]) + len(self._stored[rank])
+        self._blocks[rank] = OrderedDict()
+        self._stored[rank] = OrderedDict()
+
+    # -- exact mode (KV events) ---------------------------------------------------------
+
+    def _current(self, rank: int, incarnation: int | None) -> bool:
+        return incarnation is None or incarnation == self._incarnation[rank]
+
+    def is_exact(self, rank: int) -> bool:
+        return self._exact[rank]
+
+    def set_exact(self, rank: int, on: bool, incarnation: int | None = None) -> None:
+        """`rank`'s KV events are live (`on`) or no longer are. On: its approximate
+        entries become predictions, the newest `predicted_blocks` at most, and its
+        limit stops shrinking with its usage. Off: its exact entries become approximate
+        ones (older than its predictions), shrunk to the approximate limit."""
+        if not self._current(rank, incarnation) or self._exact[rank] == on:
+            return
+        self._exact[rank] = on
+        if not on:
+            stored = self._stored[rank]
+            blocks = self._blocks[rank]
+            merged: OrderedDict[int, None] = OrderedDict.fromkeys(stored)
+            merged.update(blocks)  # (disjoint: a stored key is never predicted too)
+            self._blocks[rank] = merged
+            self._stored[rank] = OrderedDict()
+        self._shrink(rank)
+
+    def store(self, rank: int, keys: Sequence[int], incarnation: int | None = None) -> None:
+        """`rank`'s engine holds the blocks `keys` (BlockStored: our `block_key`s, in
+        chain order). They become its newest exact entries (a predicted one moves
+        over), counted in its `limit` and the global cap: past them, its predictions go
+        first, then its oldest stores. A stale `incarnation` is ignored."""
+        if not self._current(rank, incarnation):
+            return
+        stored = self._stored[rank]
+        blocks = self._blocks[rank]
+        holders = self._holders
+        bit = 1 << rank
+        added = 0
+        for h in keys:
+            if h in stored:
+                stored.move_to_end(h)
+                continue
+            stored[h] = None
+            if h in blocks:
+                del blocks[h]
+            else:
+                holders[h] = holders.get(h, 0) | bit
+                added += 1
+        self._total += added
+        self._shrink(rank)
+        while self._total > self.max_blocks:
+            self._evict(self._fullest(), 1)
+
+    def remove(self, rank: int, keys: Sequence[int], incarnation: int | None = None) -> None:
+        """`rank`'s engine evicted the blocks `keys` (BlockRemoved): gone from its
+        entries, exact or predicted. A stale `incarnation` is ignored."""
+        if not self._current(rank, incarnation):
+            return
+        stored = self._stored[rank]
+        blocks = self._blocks[rank]
+        holders = self._holders
+        bit = ~(1 << rank)
+        for h in keys:
+            if h in stored:
+                del stored[h]
+            elif h in blocks:
+                del blocks[h]
+            else:
+                continue
+            self._total -= 1
             mask = holders[h] & bit
             if mask:
                 holders[h] = mask
             else:
                 del holders[h]
-        self._total -= len(self._blocks[rank])
-        self._blocks[rank] = OrderedDict()
-        self._capacity[rank] = None
-        self._usage[rank] = 0.0
-        current = self._incarnation[rank]
-        self._incarnation[rank] = current + 1 if incarnation is None else incarnation
+
+    def drop(self, rank: int, incarnation: int | None = None) -> None:
+        """Every entry of `rank` is gone (AllBlocksCleared, or events lost for good);
+        its incarnation, capacity, usage and mode stay. A stale `incarnation` is
+        ignored."""
+        if self._current(rank, incarnation):
+            self._clear(rank)
+
+    def hold(self, rank: int, held: bool, incarnation: int | None = None) -> None:
+        """While `held` (a replay of missed events is under way), `match` reports
+        nothing cached on `rank`: its entries may be stale. A stale `incarnation` is
+        ignored."""
+        if not self._current(rank, incarnation):
+            return
+        if held:
+            self._held |= 1 << rank
+        else:
+            self._held &= ~(1 << rank)
 
     # -- prompts ------------------------------------------------------------------------
 
@@ -216,15 +349,20 @@ class PrefixIndex:
         if incarnation is not None and incarnation != self._incarnation[rank]:
             return
         limit = self.limit(rank)
+        if self._exact[rank] and limit > self.predicted_blocks:
+            limit = self.predicted_blocks
         if len(hashes) > limit:
             hashes = hashes[:limit]
         blocks = self._blocks[rank]
         holders = self._holders
         bit = 1 << rank
         added = 0
+        stored = self._stored[rank]
         for h in reversed(hashes):
             if h in blocks:
                 blocks.move_to_end(h)
+            elif h in stored:  # the engine said it holds it: no prediction needed
+                continue
             else:
                 blocks[h] = None
                 holders[h] = holders.get(h, 0) | bit
@@ -239,7 +377,9 @@ class PrefixIndex:
         holds (multiply by `block_size` for tokens). Touches nothing."""
         matched = [0] * self.size
         holders = self._holders
-        mask = (1 << self.size) - 1
+        mask = ((1 << self.size) - 1) & ~self._held
+        if not mask:
+            return matched
         for depth, h in enumerate(hashes):
             held = holders.get(h, 0) & mask
             gone = mask & ~held
@@ -265,7 +405,12 @@ class PrefixIndex:
     # -- inspection ---------------------------------------------------------------------
 
     def blocks(self, rank: int) -> int:
-        return len(self._blocks[rank])
+        """Entries of `rank`, approximate and exact."""
+        return len(self._blocks[rank]) + len(self._stored[rank])
+
+    def stored(self, rank: int) -> int:
+        """Exact entries of `rank` (`store`)."""
+        return len(self._stored[rank])
 
     @property
     def total(self) -> int:
@@ -280,23 +425,30 @@ class PrefixIndex:
     # -- eviction -----------------------------------------------------------------------
 
     def _shrink(self, rank: int) -> None:
-        excess = len(self._blocks[rank]) - self.limit(rank)
+        excess = self.blocks(rank) - self.limit(rank)
+        if self._exact[rank]:
+            excess = max(excess, len(self._blocks[rank]) - self.predicted_blocks)
         if excess > 0:
             self._evict(rank, excess)
 
     def _fullest(self) -> int:
         """The rank holding most blocks (the lowest such rank). O(N), only past the
         global cap."""
-        counts = [len(b) for b in self._blocks]
+        counts = [self.blocks(r) for r in range(self.size)]
         return counts.index(max(counts))
 
     def _evict(self, rank: int, count: int) -> None:
-        """Drop `rank`'s `count` least recent entries."""
+        """Drop `rank`'s `count` least recent entries: approximate ones (predictions)
+        first, then the oldest exact ones."""
         blocks = self._blocks[rank]
+        stored = self._stored[rank]
         holders = self._holders
         bit = ~(1 << rank)
         for _ in range(count):
-            h, _ = blocks.popitem(last=False)
+            if blocks:  # (a key is never both predicted and stored)
+                h, _ = blocks.popitem(last=False)
+            else:
+                h, _ = stored.popitem(last=False)
             mask = holders[h] & bit
             if mask:
                 holders[h] = mask

@@ -175,8 +175,16 @@ class RequestBook(Generic[H]):
         if len(order) > RECENT_ENDED:
             del self._recent[order.popleft()]
 
-    def submit(self, request_id: str, wire_id: str, handle: H, rank: int | None = None) -> int:
-        """Register `request_id` under `wire_id`, then choose and reserve its rank.
+    def submit(
+        self,
+        request_id: str,
+        wire_id: str,
+        handle: H,
+        rank: int | None = None,
+        prefix: tuple[Sequence[int], int] | None = None,
+    ) -> int:
+        """Register `request_id` under `wire_id`, then choose and reserve its rank
+        (`prefix`: the prompt's token ids and chain root, for prefix affinity).
 
         Raises `DuplicateRequestId` (nothing reserved) if the application id is live,
         and whatever `Routing.select` raises (`InvalidRank`, `NoEngineAvailable`;
@@ -185,7 +193,7 @@ class RequestBook(Generic[H]):
         live = self._by_app.get(request_id)
         if live is not None:
             raise DuplicateRequestId(request_id, live.rank)
-        chosen = self.routing.select(wire_id, rank, name=request_id)
+        chosen = self.routing.select(wire_id, rank, name=request_id, prefix=prefix)
         entry = _Live(chosen, handle, request_id, wire_id)
         self._live[wire_id] = entry
         self._by_app[request_id] = entry
@@ -256,12 +264,16 @@ class RequestBook(Generic[H]):
         by_app = self._by_app
         released: list[str] = []
         deliver = fx.deliveries.append
+        routing = self.routing
+        prefill = routing.prefilling  # lockstep prefix affinity: prefills not started
         for out in outputs:
             wid = out.request_id
             entry = live.get(wid)
             if entry is None or entry.rank != rank:
                 self._stray(fx, wid, rank)
                 continue
+            if prefill:
+                routing.started(wid)
             out.request_id = entry.request_id  # the wire id becomes the app's: no copy
             deliver((entry.handle, out))
             if out.finish is not None:

@@ -89,11 +89,12 @@ are no locks at all: the object is used from one trio task at a time.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from .errors import InvalidRank, NoEngineAvailable, Overloaded
 from .messages import Load
+from .prefix import BAND, SLACK, PrefixIndex, pick
 
 __all__ = [
     "CAPACITY_SPREAD",
@@ -153,9 +154,11 @@ class Routing:
         "_inflight",
         "_leaves",
         "_load",
+        "_lockstep",
         "_next_start",
         "_outputs",
         "_pending",
+        "_prefill_pending",
         "_reference",
         "_seq",
         "_slowest",
@@ -166,6 +169,12 @@ class Routing:
         "_tokens",
         "_tree",
         "_up",
+        "prefilling",
+        "prefix",
+        "prefix_cached_tokens",
+        "prefix_hits",
+        "prefix_prompt_tokens",
+        "prefix_routed",
         "size",
     )
 
@@ -175,11 +184,35 @@ class Routing:
     at 8 a pair is about 1.2 µs cheaper than the scan (benchmarks/bench_p6_selection.py)."""
 
     def __init__(
-        self, size: int, *, up: bool = False, tree: bool | None = None, speed: bool = False
+        self,
+        size: int,
+        *,
+        up: bool = False,
+        tree: bool | None = None,
+        speed: bool = False,
+        prefix: PrefixIndex | None = None,
+        lockstep: bool = False,
     ) -> None:
         if size < 1:
             raise ValueError(f"a group needs at least one rank, got {size}")
+        if prefix is not None and prefix.size != size:
+            raise ValueError(f"a prefix index of {prefix.size} ranks for a group of {size}")
         self.size = size
+        self.prefix = prefix
+        """Prefix affinity (`select`'s `prefix`; None: off)."""
+        self._lockstep = lockstep
+        # lockstep prefix affinity: wire id -> (rank, prefill tokens) until its first
+        # output or its end, and their sum per rank (`pick`'s `pending`)
+        self.prefilling: dict[str, tuple[int, int]] = {}
+        self._prefill_pending = [0.0] * size
+        self.prefix_routed = 0
+        """Unpinned requests routed with token ids."""
+        self.prefix_hits = 0
+        """Of those, sent to a rank believed to cache a prefix of theirs."""
+        self.prefix_cached_tokens = 0
+        """Prompt tokens those ranks were believed to cache."""
+        self.prefix_prompt_tokens = 0
+        """Prompt tokens of the requests routed with token ids."""
         self._speed = speed
         self._capacity: list[int | None] = [None] * size
         self._step = [0.0] * size  # the step time scores use (seconds); 0: not known yet
@@ -227,6 +260,8 @@ class Routing:
         self._up[rank] = True
         self._load[rank] = _IDLE
         self._seq[rank] = None
+        if self.prefix is not None:  # a new incarnation: an empty cache
+            self.prefix.forget(rank)
         self._forget_step(rank)
         if self._tree is not None:
             self._rescore(rank)
@@ -236,6 +271,10 @@ class Routing:
         self._up[rank] = False
         held = self._inflight[rank]
         self._inflight[rank] = set()
+        if self.prefix is not None:
+            self.prefix.forget(rank)
+            if self.prefilling:
+                self._prefill_done(held)
         self._load[rank] = _IDLE
         self._seq[rank] = None
         self._forget_step(rank)
@@ -358,14 +397,28 @@ class Routing:
         capacity = self.effective_capacity(rank)
         return SPEED_LEAD * capacity if capacity is not None else SPEED_LEAD_REQUESTS
 
-    def select(self, request_id: str, rank: int | None = None, *, name: str | None = None) -> int:
+    def select(
+        self,
+        request_id: str,
+        rank: int | None = None,
+        *,
+        name: str | None = None,
+        prefix: tuple[Sequence[int], int] | None = None,
+    ) -> int:
         """Choose a rank for `request_id` and reserve it there.
 
         A pinned `rank` is taken as is if it exists and is up (else `InvalidRank`) and
         under its cap (else `Overloaded`), and does not move the rotation. Raises
         `NoEngineAvailable` if no rank is up, `Overloaded` if every up rank is at its
         cap. Errors name the request `name` (default: `request_id`).
+
+        `prefix`: the prompt's token ids and the root key of their chain; with the
+        prefix index on, an unpinned pick prefers the rank that caches most of it
+        within the load band (`_select_prefix`), and the prompt is indexed on the rank
+        chosen. Without it, or with the index off, the pick is the load decision.
         """
+        if rank is None and prefix is not None and self.prefix is not None:
+            return self._select_prefix(request_id, name, prefix[0], prefix[1])
         if rank is not None:
             if not 0 <= rank < self.size:
                 raise InvalidRank(
@@ -408,6 +461,71 @@ class Routing:
         self._inflight[best].add(request_id)
         return best
 
+    def _select_prefix(
+        self, request_id: str, name: str | None, tokens: Sequence[int], root: int
+    ) -> int:
+        """An unpinned pick with prefix affinity (docs/design.md, "Prefix affinity").
+
+        The band is on `load_score` in both routings (its slack is in requests). If a
+        rank in the band caches a prefix, `pick` decides: the most cached, then the
+        least loaded, then the rotation; in a lockstep group the least pending prefill
+        plus this prompt's uncached tokens. Otherwise the load decision as without a
+        prefix (so a workload with no shared prefixes routes exactly as "speed" or
+        "least-loaded" does). Either way the rotation moves by one, the rank is
+        reserved, and the prompt is indexed on it."""
+        index = self.prefix
+        assert index is not None
+        hashes = index.chain(tokens, root)
+        prompt = len(tokens)
+        start = self._next_start
+        cached = index.cached_tokens(hashes) if hashes else None
+        chosen = -1
+        if cached is not None and any(cached):
+            size = self.size
+            loads = [self.load_score(r) if self.has_room(r) else math.inf for r in range(size)]
+            least = min(loads)
+            if least < math.inf:
+                bound = least * (1.0 + BAND) + SLACK
+                if any(cached[r] and loads[r] <= bound for r in range(size)):
+                    pending = self._prefill_pending if self._lockstep else None
+                    chosen = pick(loads, cached, prompt, start=start, pending=pending)
+        if chosen < 0:
+            chosen = self.select(request_id, name=name)  # the load decision; may raise
+        else:
+            self._next_start = start + 1 if start + 1 < self.size else 0
+            self._inflight[chosen].add(request_id)
+            if self._tree is not None:
+                self._rescore(chosen)
+        hit = cached[chosen] if cached is not None else 0
+        if hit > prompt:
+            hit = prompt
+        self.prefix_routed += 1
+        self.prefix_prompt_tokens += prompt
+        if hit:
+            self.prefix_hits += 1
+            self.prefix_cached_tokens += hit
+        index.insert(chosen, hashes, index.incarnation(chosen))
+        if self._lockstep:
+            self.prefilling[request_id] = (chosen, prompt - hit)
+            self._prefill_pending[chosen] += prompt - hit
+        return chosen
+
+    def started(self, request_id: str) -> None:
+        """`request_id` had its first output: its prefill is no longer pending."""
+        entry = self.prefilling.pop(request_id, None)
+        if entry is not None:
+            rank, tokens = entry
+            left = self._prefill_pending[rank] - tokens
+            self._prefill_pending[rank] = left if left > 0 else 0.0
+
+    def _prefill_done(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.started(request_id)
+
+    def prefill_pending(self, rank: int) -> float:
+        """Lockstep prefix affinity: prefill tokens sent to `rank` and not yet started."""
+        return self._prefill_pending[rank]
+
     def _none_free(self, name: str) -> Exception:
         """Why an unpinned pick found no rank: none up, or every up rank full."""
         if any(self._up):
@@ -419,6 +537,9 @@ class Routing:
         held = self._inflight[rank]
         if not held:
             return
+        if self.prefilling:
+            request_ids = tuple(request_ids)
+            self._prefill_done(request_ids)
         held.difference_update(request_ids)
         if not held:
             self._timing[rank] = None  # idle: the gap until its next output is no step
@@ -443,6 +564,8 @@ class Routing:
         if not self._inflight[rank] and (load.waiting or load.running):
             load = Load(0, 0, load.kv)
         self._load[rank] = load
+        if self.prefix is not None:
+            self.prefix.observe_usage(rank, load.kv)
         if self._tree is not None:
             self._rescore(rank)
         return True

@@ -96,6 +96,7 @@ from .messages import (
     check_timeout,
 )
 from .metrics import Histogram
+from .prefix import PrefixIndex
 from .requests import Ended, Outcome, RequestBook
 from .routing import Routing
 from .waves import WaveClock
@@ -219,6 +220,7 @@ class GroupCore(BatchReader[H]):
         recover: bool = False,
         recover_timeout: float = 60.0,
         speed: bool = False,
+        prefix: bool | PrefixIndex = False,
     ) -> None:
         self.size = size
         self.recover = recover
@@ -242,8 +244,18 @@ class GroupCore(BatchReader[H]):
         self.lockstep = lockstep
         self.silence_timeout = silence_timeout
         self.stall_timeout = stall_timeout
-        self.routing = self.routing_cls(size, speed=speed)
-        """Selection; `speed`: by step time and capacity (`Routing.speed_score`)."""
+        if prefix is True:
+            prefix = PrefixIndex(size)
+        self.prefix: PrefixIndex | None = prefix or None
+        """Prefix affinity's index (`routing="prefix"`; None: off): fed with the ranks'
+        handshakes (block size, capacity), load reports (KV usage), deaths (forgotten)
+        and the prompts sent; on vLLM's wire, with their KV events too."""
+        self.kv_events: dict[str, int] = {}
+        """KV-event counters summed over the ranks (vLLM's wire, exact mode: its KV
+        task adds to them); `GroupStatistics.prefix`."""
+        self.routing = self.routing_cls(size, speed=speed, prefix=self.prefix, lockstep=lockstep)
+        """Selection; `speed`: by step time and capacity (`Routing.speed_score`);
+        `prefix`: with prefix affinity (`Routing.select`)."""
         self.book: RequestBook[H] = self.book_cls(self.routing)
         self.clock: WaveClock | None = WaveClock(wave) if lockstep else None
         self.health = [RankHealth() for _ in range(size)]
@@ -326,6 +338,11 @@ class GroupCore(BatchReader[H]):
         self.routing.set_cap(rank, self._cap(rank, cap, info))
         seqs = info.get("max_num_seqs")
         self.routing.set_capacity(rank, seqs if type(seqs) is int else None)
+        if self.prefix is not None:  # (forgotten by `Routing.set_up` already)
+            block_size = info.get("block_size")
+            if type(block_size) is int and block_size > 0:
+                self.prefix.set_block_size(block_size)
+            self.prefix.set_capacity(rank, info.get("num_gpu_blocks"))
         self._fx.rank_state(rank, True)
         if self.recovering and all(self.is_up(r) for r in range(self.size)):
             self.closed = None
@@ -537,8 +554,11 @@ class GroupCore(BatchReader[H]):
         rank: Any,
         now: float,
         timeout: float | None = None,
+        prefix: tuple[Sequence[int], int] | None = None,
     ) -> Submitted:
         """Validate, encode, register and reserve (module docstring, steps 1-6).
+        `prefix`: `Prepared.prefix`, the prompt's token ids (checked by the wire) and
+        the root of their chain, for prefix affinity.
 
         Raises `InvalidRequest`, `DuplicateRequestId`, `InvalidRank`, `Overloaded`,
         `NoEngineAvailable`, `GroupDraining` or `GroupClosed`; after any of them nothing
@@ -559,7 +579,7 @@ class GroupCore(BatchReader[H]):
             self.counters.rolled_back += 1
             raise InvalidRequest(request_id, exc.cause) from None
         try:
-            chosen = self.book.submit(request_id, wire_id, handle, pinned)
+            chosen = self.book.submit(request_id, wire_id, handle, pinned, prefix)
         except Overloaded:
             self.counters.overloaded += 1
             raise

@@ -13,6 +13,7 @@ Sans-IO like the rest of `_core`: no trio, no zmq; time comes in as a value.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Container, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -21,20 +22,44 @@ from .errors import InvalidRequest, ProtocolError, quote
 from .handshake import identity_rank
 from .messages import Abort, Add, Call, OutputBatch, Wake
 
-__all__ = ["Incoming", "NativeWire", "Prepared", "Wire"]
+__all__ = ["Incoming", "NativeWire", "Prepared", "Wire", "check_tokens"]
 
 R_contra = TypeVar("R_contra", contravariant=True)
+
+
+def check_tokens(request_id: Any, tokens: Any) -> Sequence[int]:
+    """`Request.tokens` as the prefix index takes them: a list or tuple of ints as it
+    is (bools refused), any other sequence of integer-likes (numpy's) as a list of
+    ints; anything else raises `InvalidRequest` naming the request."""
+    if (type(tokens) is list or type(tokens) is tuple) and all(type(t) is int for t in tokens):
+        return tokens
+    if isinstance(tokens, (str, bytes, bytearray, Mapping)) or not isinstance(tokens, Sequence):
+        raise InvalidRequest(
+            str(request_id), f"tokens must be a sequence of ints or None, not {quote(tokens)}"
+        )
+    try:
+        if any(type(t) is bool for t in tokens):
+            raise TypeError("a bool")
+        return [operator.index(t) for t in tokens]
+    except TypeError:
+        bad = next((t for t in tokens if type(t) is bool or not hasattr(t, "__index__")), None)
+        raise InvalidRequest(
+            str(request_id), f"tokens must be a sequence of ints, and holds {quote(bad)}"
+        ) from None
 
 
 class Prepared(NamedTuple):
     """A request as the core takes it: the application id, the ADD's body (what
     `Wire.encode_add` encodes), the pinned rank (None: least-loaded), the timeout
-    (None: the group's). Each is validated by the core."""
+    (None: the group's), and for prefix affinity the prompt's token ids and the root
+    key of its chain (`_core/prefix.py`; None: routed by load). Each is validated by
+    the core, but `prefix`, which the wire checks."""
 
     id: Any
     body: Any
     rank: Any
     timeout: Any
+    prefix: tuple[Sequence[int], int] | None = None
 
 
 class Incoming(NamedTuple):
@@ -139,14 +164,19 @@ class NativeWire:
     def prepare(
         self, request: Any, infos: Sequence[Mapping[str, Any]], wall_time: float
     ) -> Prepared:
-        """`zmqdp.Request` as it is (`Request.body` any CBOR-able value)."""
+        """`zmqdp.Request` as it is (`Request.body` any CBOR-able value); its `tokens`
+        (never sent) under root 0."""
         try:  # (duck-typed: the core does not import zmqdp.values)
-            return Prepared(request.id, request.body, request.rank, request.timeout)
+            id_, body, rank, timeout = request.id, request.body, request.rank, request.timeout
         except AttributeError:
             raise InvalidRequest(
                 str(getattr(request, "id", "?")),
                 f"submit takes a zmqdp.Request, not a {type(request).__name__}: {quote(request)}",
             ) from None
+        tokens = getattr(request, "tokens", None)
+        if tokens is None:
+            return Prepared(id_, body, rank, timeout)
+        return Prepared(id_, body, rank, timeout, (check_tokens(id_, tokens), 0))
 
     def encode_add(self, wire_id: str, body: Any, wave: int) -> tuple[bytes, bytes]:
         """`Wire.encode_add`: `Add(wire_id, body)` in CBOR (§3); `wave` is not sent."""

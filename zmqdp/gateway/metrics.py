@@ -54,7 +54,7 @@ from .._core.metrics import (
     HistogramSnapshot,
     build_1_2_5_buckets,
 )
-from ..values import GroupHealth, GroupStatistics, RankState
+from ..values import GroupHealth, GroupStatistics, PrefixStatistics, RankState
 
 if TYPE_CHECKING:
     from ..vllm.stats import EngineStats, RankEngineStats
@@ -95,7 +95,7 @@ GROUP_COUNTERS: dict[str, str] = {
 }
 """Other `GroupStatistics` counters: ``zmqdp_<name>_total``."""
 
-_NOT_COUNTERS = {"ranks", "lockstep", "wave", "waiting"}
+_NOT_COUNTERS = {"ranks", "lockstep", "wave", "waiting", "prefix"}
 
 
 FINISH_LABELS = frozenset({"stop", "length", "abort", "error", "repetition"})
@@ -300,6 +300,8 @@ class GatewayCollector(Collector):
         if stats is not None:
             yield from self._ranks(stats)
             yield from self._counters(stats)
+            if stats.prefix is not None:
+                yield from self._prefix(stats.prefix)
 
     def _gateway(self) -> Iterator[Metric]:
         http = self._http
@@ -689,6 +691,51 @@ class GatewayCollector(Collector):
             ),
         ):
             yield histogram("vllm:" + name, doc, {k: getattr(engines[k], attribute) for k in ranks})
+
+    def _prefix(self, prefix: PrefixStatistics) -> Iterator[Metric]:
+        """Prefix affinity (``--routing prefix``): ``zmqdp_prefix_*``."""
+        yield CounterMetricFamily(
+            "zmqdp_prefix_requests",
+            "Requests routed with their prompt's token ids (prefix affinity).",
+            prefix.routed,
+        )
+        yield CounterMetricFamily(
+            "zmqdp_prefix_hits",
+            "Requests sent to a rank believed to cache a prefix of their prompt.",
+            prefix.hits,
+        )
+        yield CounterMetricFamily(
+            "zmqdp_prefix_cached_tokens",
+            "Prompt tokens the chosen ranks were believed to cache (predicted; the engines' "
+            "own count is vllm:prompt_tokens_cached).",
+            prefix.cached_tokens,
+        )
+        yield CounterMetricFamily(
+            "zmqdp_prefix_prompt_tokens",
+            "Prompt tokens of the requests routed with token ids.",
+            prefix.prompt_tokens,
+        )
+        blocks = GaugeMetricFamily(
+            "zmqdp_prefix_blocks", "Blocks in the prefix index, by rank.", labels=["rank"]
+        )
+        exact = GaugeMetricFamily(
+            "zmqdp_prefix_exact",
+            "1 if the rank's KV events are live (exact mode), 0 if approximate.",
+            labels=["rank"],
+        )
+        exact_ranks = set(prefix.exact_ranks)
+        for rank, n in enumerate(prefix.rank_blocks):
+            blocks.add_metric([str(rank)], n)
+            exact.add_metric([str(rank)], 1 if rank in exact_ranks else 0)
+        yield blocks
+        yield exact
+        for name, value in sorted(prefix.kv_events.items()):
+            if type(value) is int and name.isidentifier() and name.isascii():
+                yield CounterMetricFamily(
+                    f"zmqdp_prefix_kv_events_{name.lower()}",
+                    f"KV events of the ranks: {name}, summed over the ranks.",
+                    value,
+                )
 
     def _counters(self, stats: GroupStatistics) -> Iterator[Metric]:
         yield _gauge("zmqdp_group_lockstep", "1 for a lockstep group.", stats.lockstep)

@@ -82,7 +82,7 @@ log = logging.getLogger("zmqdp.gateway")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SERVERS = ("uvicorn", "hypercorn")
 """`--server`: the first is the default."""
-ROUTING = ("speed", "least-loaded")
+ROUTING = ("speed", "least-loaded", "prefix")
 """`--routing`: the values `ConnectOptions.routing` accepts."""
 
 
@@ -181,7 +181,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how a request's rank is chosen. speed (default): the rank that would finish "
         "it first, from each rank's max_num_seqs and step time (timed by the requests it "
         "finishes; timing alone takes a rank at most 2 x max_num_seqs past its fair "
-        "share); least-loaded: the rank holding the fewest requests",
+        "share); least-loaded: the rank holding the fewest requests; prefix: as speed, "
+        "but a prompt goes to the rank that probably caches its longest prefix while that "
+        "rank's load is within a quarter (plus 2 requests) of the least loaded one's",
+    )
+    group.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="--routing prefix with --vllm: do not subscribe to the engines' KV events "
+        "(--kv-events-config); route by the prompts sent alone (approximate)",
     )
     group.add_argument(
         "--ready-timeout",
@@ -436,6 +445,13 @@ def app_from_args(args: argparse.Namespace) -> GatewayApp:
     if args.advertise_host is not None:
         options["advertise_host"] = args.advertise_host
     options["routing"] = args.routing
+    if not args.kv_events:
+        if args.routing != "prefix" or args.vllm is None:
+            raise SystemExit(
+                "zmqdp serve: --no-kv-events is for --routing prefix with vLLM engines "
+                "(--vllm MODEL_DIR): only they publish KV events"
+            )
+        options["kv_events"] = False
     if args.keys is not None:
         from ..keys import load_client_keys
 

@@ -41,6 +41,7 @@ from typing import Any
 from .._core.codec import BatchDecoder, EntryCursor
 from .._core.errors import InvalidRequest, ProtocolError, quote
 from .._core.messages import OutputBatch
+from .._core.prefix import block_key
 from .._core.waves import WaveClock
 from .._core.wire import Incoming, Prepared
 from .codec import (
@@ -164,7 +165,15 @@ class VllmWire:
                 )
             sampling = dataclasses.replace(request.sampling, max_tokens=limit - prompt)
             request = dataclasses.replace(request, sampling=sampling)
-        return Prepared(request.id, (request, wall_time), request.rank, request.timeout)
+        # prefix affinity: the prompt (checked by `encode_add`) under its cache salt
+        salt = request.cache_salt
+        root = (
+            0
+            if salt is None
+            else block_key(None, [hash(salt if type(salt) is str else repr(salt))])
+        )
+        prefix = (request.prompt_token_ids, root)
+        return Prepared(request.id, (request, wall_time), request.rank, request.timeout, prefix)
 
     def encode_add(self, wire_id: str, body: Any, wave: int) -> tuple[bytes, bytes]:
         """`body` is what `prepare` built: ``(VllmRequest, arrival_time)``."""
