@@ -58,6 +58,7 @@ policy) follows the rows in RESULTS.md, and the phase data is saved as JSON.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import multiprocessing as mp
 import random
@@ -213,10 +214,12 @@ ids, cached tokens or None): one request read to its end."""
 
 
 async def run_phase(
-    submit: Submit, chats: list[Session], w: Workload, tag: str, answer_cached: int
+    submit: Submit, chats: list[Session], w: Workload, tag: str, answer_kept: int | None
 ) -> Phase:
-    """Run the sessions, `w.concurrency` at a time, each turn after the previous one
-    ended; then compute the ideal cached fraction of what was sent."""
+    """Run the sessions, `w.concurrency` requests at a time; then compute the ideal
+    cached fraction of what was sent. `answer_kept`: how the engines cache an answer
+    (None: not at all, as zmqdp/vllm/mock.py's fakes; 0: all of it, as the native mock;
+    1: all but its last token, whose KV a real vLLM engine never computes)."""
     phase = Phase()
     events: list[tuple[float, int, list[int]]] = []  # (when, 0 lookup+store / 1 store, ids)
     # sessions take turns: a worker sends one turn of a waiting session, picked at
@@ -235,7 +238,8 @@ async def run_phase(
             events.append((start, 0, prompt))
             rank, ttft, answer, cached = await submit(f"{tag}-{i}-{turn}", prompt, w.answer_len)
             end = time.perf_counter()
-            events.append((end, 1, prompt + answer[: len(answer) - answer_cached]))
+            if answer_kept is not None:
+                events.append((end, 1, prompt + answer[: len(answer) - answer_kept]))
             phase.requests.append(
                 Sent(len(prompt), rank, start - t0, ttft, end - t0, len(answer), cached)
             )
@@ -322,7 +326,7 @@ async def native_phase(
             assert rank is not None
             return rank, ttft, answer, cached
 
-        return await run_phase(submit, chats, w, tag, answer_cached=0)
+        return await run_phase(submit, chats, w, tag, answer_kept=0)
 
 
 _REQUEST_FIELDS = {f.name for f in fields(Request)}
@@ -333,13 +337,135 @@ _REQUEST_FIELDS = {f.name for f in fields(Request)}
 
 def vllm_available() -> str | None:
     """Why the vLLM wire's fakes cannot run this benchmark (None: they can)."""
-    try:
-        from zmqdp.vllm import mock
-    except ImportError as exc:
-        return f"zmqdp.vllm.mock: {exc}"
-    if not hasattr(mock, "FakeConfig") and not hasattr(mock, "MockVllmConfig"):
-        return "zmqdp.vllm.mock has no prefix cache yet"
+    from zmqdp.vllm.mock import FakeVllmGroup
+
+    if "prefill_per_token" not in inspect.signature(FakeVllmGroup).parameters:
+        return "zmqdp/vllm/mock.py's fakes have no prefix cache in this checkout"
     return None
+
+
+KV_EVENTS = {
+    "enable_kv_cache_events": True,
+    "publisher": "zmq",
+    "endpoint": "tcp://*:0",
+    "replay_endpoint": "tcp://*:0",
+    "topic": "kv",
+}
+"""The engines' ``--kv-events-config``: port 0, the OS picks one per rank and the ready
+response says which (docs/kv-events.md)."""
+
+
+async def vllm_phases(
+    group: Any,
+    work: dict[str, list[Session]],
+    w: Workload,
+    tag: str,
+    answer_kept: int | None,
+) -> dict[str, Phase]:
+    """Each workload's phase on a connected vLLM-wire group. The cached tokens are the
+    engines' own `num_cached_tokens` (their first outputs' prefill stats), counted per
+    rank by `zmqdp.vllm.stats.EngineStats` as the gateway's ``vllm:`` metrics are."""
+    from zmqdp.vllm import SamplingParams, VllmOutput, VllmRequest
+    from zmqdp.vllm.stats import EngineStats
+
+    stats = EngineStats()
+    group._wire.stats = stats  # as zmqdp.gateway.metrics's `watch` does
+    ranks = group.size
+
+    async def submit(
+        rid: str, prompt: list[int], max_tokens: int
+    ) -> tuple[int, float, list[int], int | None]:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        ttft, answer = 0.0, []
+        async with group.submit(VllmRequest(rid, prompt, sampling)) as stream:
+            rank = stream.rank
+            async for out in stream:
+                assert isinstance(out.body, VllmOutput)
+                if not answer and out.body.token_ids:
+                    ttft = time.perf_counter() - start
+                answer += out.body.token_ids
+        assert rank is not None
+        return rank, ttft, answer, None
+
+    out = {}
+    for kind, chats in work.items():
+        before = [(r.prompt_tokens, r.prompt_tokens_cached) for r in _ranks(stats, ranks)]
+        phase = await run_phase(submit, chats, w, f"{tag}-{kind}", answer_kept)
+        after = [(r.prompt_tokens, r.prompt_tokens_cached) for r in _ranks(stats, ranks)]
+        phase.rank_prompt = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+        phase.rank_cached = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+        sent = sum(r.prompt for r in phase.requests)
+        if sum(phase.rank_prompt) != sent:  # every first output says its prompt
+            raise AssertionError(
+                f"{tag}-{kind}: the engines reported {sum(phase.rank_prompt)} prompt "
+                f"tokens of the {sent} sent (prefill stats missing?)"
+            )
+        out[kind] = phase
+    return out
+
+
+def _ranks(stats: Any, ranks: int) -> list[Any]:
+    return [stats.rank(r) for r in range(ranks)]
+
+
+def _fakes_main(url: str, ranks: int, kw: dict[str, Any]) -> None:
+    from zmqdp.vllm.mock import FakeVllmGroup
+
+    async def main() -> None:
+        fake = FakeVllmGroup(url, ranks, **kw)
+        try:
+            async with trio.open_nursery() as nursery:
+                fake.nursery = nursery
+                for engine in fake.engines:
+                    nursery.start_soon(engine.run)
+        finally:
+            fake.close()
+
+    trio.run(main)
+
+
+async def measure_vllm(
+    w: Workload, rounds: int, step: float, prefill: float, ranks: int
+) -> dict[str, dict[str, list[Phase]]]:
+    """The fakes of zmqdp/vllm/mock.py, a new group per phase (vLLM engines do their
+    handshake once, and the fakes as they do), in a process of their own."""
+    import zmqdp.vllm
+
+    kw = {
+        "step_delay": step,
+        "prefill_per_token": prefill,
+        "block_size": w.block_size,
+        "num_gpu_blocks": 4096,
+        "max_num_seqs": 32,
+        "kv_events": KV_EVENTS,
+    }
+    out: dict[str, dict[str, list[Phase]]] = {k: {p: [] for p in POLICIES} for k in WORKLOADS}
+    for r in range(rounds):
+        order = POLICIES if r % 2 == 0 else POLICIES[::-1]
+        for policy in order:
+            options = policy_options(policy)
+            if options is None:
+                continue
+            work = {
+                kind: sessions(w, kind, zlib.crc32(f"v{r}-{policy}-{kind}".encode()))
+                for kind in WORKLOADS
+            }
+            directory = tempfile.mkdtemp(prefix="zmqdp-prefix-v-")
+            url = f"ipc://{directory}/hs"
+            proc = mp.get_context("spawn").Process(
+                target=_fakes_main, args=(url, ranks, kw), daemon=True
+            )
+            proc.start()
+            try:
+                async with zmqdp.vllm.connect(url, ranks, ready_timeout=60, **options) as g:
+                    phases = await vllm_phases(g, work, w, f"{policy}-{r}", None)
+            finally:
+                proc.terminate()
+                proc.join(10)
+            for kind, phase in phases.items():
+                out[kind][policy].append(phase)
+    return out
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -538,6 +664,20 @@ def main() -> None:
         if why is not None:
             print(f"(vLLM wire not run: {why})")
             sections.append(f"(vLLM wire's fakes not run: {why})")
+        else:
+            data = trio.run(measure_vllm, w, rounds, args.step, args.prefill, ranks)
+            table = summarise(data, ranks)
+            note = (
+                f"Fake vLLM engines (zmqdp/vllm/mock.py), step {args.step * 1e3:g} ms, "
+                f"prefill {args.prefill * 1e6:g} µs per uncached token, KV events on "
+                f"(used by prefix-kv only); {shape}."
+            )
+            sections.append(markdown("Prefix affinity on the fake vLLM engines", table, note))
+            all_rows += rows("v", table, "fake vLLM engines")
+            saved["vllm"] = {
+                kind: {p: [asdict(ph) for ph in phases] for p, phases in by.items()}
+                for kind, by in data.items()
+            }
     text = "\n\n".join(sections)
     print(text)
     save("prefix", all_rows, {"markdown": text, "phases": saved})
