@@ -16,8 +16,8 @@ serves):
   order: a session's next turn waits while other sessions' turns are sent (its user's
   think time), so the rank that just ended its previous turn is not, by being the least
   loaded, where it goes next;
-* **control**: as many single-turn prompts of the same lengths, every one unique (no
-  prefix shared with any other), at the same concurrency.
+* **control**: single-turn prompts of the same lengths (as many, or `control`), every
+  one unique (no prefix shared with any other), at the same concurrency.
 
 Policies, each in its own phase with a new client (`EngineGroup.connect(...,
 routing=...)`; the index starts empty), rounds rotating between them, every phase with
@@ -35,6 +35,14 @@ Engines:
 * **vllm**: zmqdp/vllm/mock.py's fake vLLM engines, with their own prefix cache and
   prefill cost, and KV events; the cached tokens are their ``num_cached_tokens``
   (vLLM's prefill stats in a request's first output, as the gateway counts them).
+
+Memory: each rank's KV cache holds `kv_fit` (0.75) of the prefix-heavy phase's working
+set (its system prompts and every session's history, `Workload.working_blocks`): the
+group can keep every session once, one rank cannot. Least-loaded routing sends a
+session's turns to either rank, so both come to hold a copy of its history and evict
+each other's; with prefix affinity each history lives on one rank. (With room for
+everything on every rank, least-loaded loses only the turns added since a session was
+last on that rank: on two ranks it then finds nearly as much cached.)
 
 Figures per (wire, workload, policy), medians over rounds:
 
@@ -66,8 +74,8 @@ import statistics
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -100,6 +108,12 @@ class Workload:
     turns: int = 8
     concurrency: int = 8
     block_size: int = 16
+    control: int | None = None
+    """Requests of the control workload (None: as many as the heavy one's)."""
+    kv_fit: float = 0.75
+    """Each rank's KV cache, as a fraction of the prefix-heavy phase's working set
+    (`working_blocks`): below 1, one rank cannot keep every session, the group can
+    (module docstring, "Memory")."""
 
     @property
     def system_len(self) -> int:
@@ -116,6 +130,18 @@ class Workload:
     def longest(self) -> int:
         """The last turn's prompt: system + turns x user + (turns - 1) x answer."""
         return self.system_len + self.turns * self.user_len + (self.turns - 1) * self.answer_len
+
+    def working_blocks(self) -> int:
+        """Distinct blocks of a prefix-heavy phase: the system prompts, and each
+        session's own history (its last prompt and answer past its system prompt)."""
+        own = self.longest() + self.answer_len - self.system_len
+        return (self.systems * self.system_len + self.sessions * own) // self.block_size
+
+    def rank_blocks(self) -> int:
+        """Each rank's KV capacity in blocks: `kv_fit` x `working_blocks`, at least room
+        for one longest prompt with its answer."""
+        need = -(-(self.longest() + self.answer_len) // self.block_size)
+        return max(need, math.ceil(self.kv_fit * self.working_blocks()))
 
 
 @dataclass
@@ -142,7 +168,7 @@ def sessions(w: Workload, kind: str, seed: int) -> list[Session]:
             for i in range(w.sessions)
         ]
     out = []
-    for i in range(w.sessions * w.turns):
+    for i in range(w.control or w.sessions * w.turns):
         k = i % w.turns + 1
         length = w.system_len + k * w.user_len + (k - 1) * w.answer_len
         out.append(Session(text(length - w.user_len), [text(w.user_len)]))
@@ -214,7 +240,12 @@ ids, cached tokens or None): one request read to its end."""
 
 
 async def run_phase(
-    submit: Submit, chats: list[Session], w: Workload, tag: str, answer_kept: int | None
+    submit: Submit,
+    chats: list[Session],
+    w: Workload,
+    tag: str,
+    answer_kept: int | None,
+    ranks: int,
 ) -> Phase:
     """Run the sessions, `w.concurrency` requests at a time; then compute the ideal
     cached fraction of what was sent. `answer_kept`: how the engines cache an answer
@@ -250,15 +281,17 @@ async def run_phase(
         for _ in range(w.concurrency):
             nursery.start_soon(worker)
     phase.wall = time.perf_counter() - t0
-    phase.ideal = ideal_fraction(events, w.block_size)
+    phase.ideal = ideal_fraction(events, w.block_size, ranks * w.rank_blocks())
     return phase
 
 
-def ideal_fraction(events: list[tuple[float, int, list[int]]], block_size: int) -> float:
-    """The phase's requests through one cache with room for all of them, in the order
-    they happened: each prompt looked up and stored when sent, with its answer when it
-    ended (the cache of one engine holding every rank's memory)."""
-    cache = PrefixCache(1 << 30, block_size)
+def ideal_fraction(
+    events: list[tuple[float, int, list[int]]], block_size: int, blocks: int
+) -> float:
+    """The phase's requests through one cache of `blocks` (the group's total), in the
+    order they happened: each prompt looked up and stored when sent, with its answer
+    when it ended (one engine holding every rank's memory)."""
+    cache = PrefixCache(blocks, block_size)
     cached = total = 0
     for _, kind, ids in sorted(events, key=lambda e: (e[0], e[1])):
         if kind == 0:
@@ -272,7 +305,9 @@ def ideal_fraction(events: list[tuple[float, int, list[int]]], block_size: int) 
 
 
 def policy_options(policy: str) -> dict[str, Any] | None:
-    """`ConnectOptions` keywords of a policy, or None if this checkout lacks it."""
+    """`ConnectOptions` keywords of a policy, or None if this checkout lacks it. A
+    policy may name knobs of the prefix pick after an ``@`` (`knobs`)."""
+    policy = policy.partition("@")[0]
     names = {f.name for f in fields(ConnectOptions)}
     if policy in ("least-loaded", "speed"):
         return {"routing": policy}
@@ -283,6 +318,40 @@ def policy_options(policy: str) -> dict[str, Any] | None:
     except (ValueError, TypeError):
         return None
     return {"routing": "prefix", "kv_events": policy == "prefix-kv"}
+
+
+KNOBS = ("band", "slack")
+"""The prefix pick's load band (`zmqdp._core.prefix.BAND`, `SLACK`): a variant such as
+``prefix-approx@slack=0.5`` runs with them changed, in the same rounds as the others,
+so that a knob's effect is measured rather than guessed."""
+
+
+@contextmanager
+def knobs(policy: str) -> Iterator[None]:
+    """Set the knobs a policy names (``name@band=0.1;slack=0.5``) for the block: the
+    band of `zmqdp._core.routing`'s pick (module constants and `pick`'s defaults, read at
+    each pick). A benchmark's experiment only: no option of the client sets them."""
+    from zmqdp._core import prefix, routing
+
+    spec = policy.partition("@")[2]
+    values = dict(kv.split("=") for kv in spec.split(";") if kv)
+    unknown = set(values) - set(KNOBS)
+    if unknown:
+        raise ValueError(f"{policy}: unknown knob(s) {sorted(unknown)}; known: {KNOBS}")
+    defaults = dict(prefix.pick.__kwdefaults__ or {})
+    saved = {name.upper(): getattr(routing, name.upper()) for name in KNOBS}
+    try:
+        for name, value in values.items():
+            setattr(routing, name.upper(), float(value))
+            prefix.pick.__kwdefaults__ = {
+                **(prefix.pick.__kwdefaults__ or {}),
+                name: float(value),
+            }
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(routing, name, value)
+        prefix.pick.__kwdefaults__ = defaults
 
 
 # -- the native wire -----------------------------------------------------------------------
@@ -326,7 +395,7 @@ async def native_phase(
             assert rank is not None
             return rank, ttft, answer, cached
 
-        return await run_phase(submit, chats, w, tag, answer_kept=0)
+        return await run_phase(submit, chats, w, tag, answer_kept=0, ranks=ranks)
 
 
 _REQUEST_FIELDS = {f.name for f in fields(Request)}
@@ -391,7 +460,7 @@ async def vllm_phases(
     out = {}
     for kind, chats in work.items():
         before = [(r.prompt_tokens, r.prompt_tokens_cached) for r in _ranks(stats, ranks)]
-        phase = await run_phase(submit, chats, w, f"{tag}-{kind}", answer_kept)
+        phase = await run_phase(submit, chats, w, f"{tag}-{kind}", answer_kept, ranks)
         after = [(r.prompt_tokens, r.prompt_tokens_cached) for r in _ranks(stats, ranks)]
         phase.rank_prompt = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
         phase.rank_cached = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
@@ -426,7 +495,7 @@ def _fakes_main(url: str, ranks: int, kw: dict[str, Any]) -> None:
 
 
 async def measure_vllm(
-    w: Workload, rounds: int, step: float, prefill: float, ranks: int
+    w: Workload, rounds: int, step: float, prefill: float, ranks: int, policies: list[str]
 ) -> dict[str, dict[str, list[Phase]]]:
     """The fakes of zmqdp/vllm/mock.py, a new group per phase (vLLM engines do their
     handshake once, and the fakes as they do), in a process of their own."""
@@ -436,13 +505,13 @@ async def measure_vllm(
         "step_delay": step,
         "prefill_per_token": prefill,
         "block_size": w.block_size,
-        "num_gpu_blocks": 4096,
+        "num_gpu_blocks": w.rank_blocks(),
         "max_num_seqs": 32,
         "kv_events": KV_EVENTS,
     }
-    out: dict[str, dict[str, list[Phase]]] = {k: {p: [] for p in POLICIES} for k in WORKLOADS}
+    out: dict[str, dict[str, list[Phase]]] = {k: {p: [] for p in policies} for k in WORKLOADS}
     for r in range(rounds):
-        order = POLICIES if r % 2 == 0 else POLICIES[::-1]
+        order = policies if r % 2 == 0 else policies[::-1]
         for policy in order:
             options = policy_options(policy)
             if options is None:
@@ -458,8 +527,9 @@ async def measure_vllm(
             )
             proc.start()
             try:
-                async with zmqdp.vllm.connect(url, ranks, ready_timeout=60, **options) as g:
-                    phases = await vllm_phases(g, work, w, f"{policy}-{r}", None)
+                with knobs(policy):
+                    async with zmqdp.vllm.connect(url, ranks, ready_timeout=60, **options) as g:
+                        phases = await vllm_phases(g, work, w, f"{policy}-{r}", None)
             finally:
                 proc.terminate()
                 proc.join(10)
@@ -581,7 +651,7 @@ def rows(key: str, table: dict[str, dict[str, Figures | None]], context: str) ->
 
 
 async def measure_native(
-    w: Workload, rounds: int, step: float, prefill: float, ranks: int
+    w: Workload, rounds: int, step: float, prefill: float, ranks: int, policies: list[str]
 ) -> dict[str, dict[str, list[Phase]]]:
     directory = tempfile.mkdtemp(prefix="zmqdp-prefix-")
     url = f"ipc://{directory}/g"
@@ -589,22 +659,25 @@ async def measure_native(
         engines=ranks,
         step_time=step,
         max_num_seqs=32,
+        kv_tokens=w.rank_blocks() * w.block_size,
         block_size=w.block_size,
         prefill_time=prefill,
     )
-    out: dict[str, dict[str, list[Phase]]] = {k: {p: [] for p in POLICIES} for k in WORKLOADS}
+    out: dict[str, dict[str, list[Phase]]] = {k: {p: [] for p in policies} for k in WORKLOADS}
     async with native_engines(url, cfg):
         for r in range(rounds):
-            order = POLICIES if r % 2 == 0 else POLICIES[::-1]  # ABBA: drift cancels
+            order = policies if r % 2 == 0 else policies[::-1]  # ABBA: drift cancels
             for policy in order:
                 options = policy_options(policy)
-                if options is None or policy == "prefix-kv":
+                if options is None or policy.startswith("prefix-kv"):
                     continue
                 for kind in WORKLOADS:
                     seed = zlib.crc32(f"{r}-{policy}-{kind}".encode())
                     chats = sessions(w, kind, seed)
                     tag = f"{kind}-{policy}-{r}"
-                    out[kind][policy].append(await native_phase(url, ranks, options, chats, w, tag))
+                    with knobs(policy):
+                        phase = await native_phase(url, ranks, options, chats, w, tag)
+                    out[kind][policy].append(phase)
     return out
 
 
@@ -628,7 +701,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--step", type=float, default=0.001, help="decode step, s")
     parser.add_argument("--prefill", type=float, default=5e-5, help="s per uncached prompt token")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated; a variant names knobs, e.g. prefix-approx@slack=0.5;band=0.1",
+    )
     args = parser.parse_args()
+    policies = args.policies.split(",")
     if args.quick:
         w = Workload(context=args.context // 4, systems=2, sessions=8, turns=4, concurrency=4)
         rounds = 1
@@ -644,10 +723,11 @@ def main() -> None:
         f"{w.systems} system prompts of {w.system_len} tokens, {w.sessions} sessions x "
         f"{w.turns} turns (+{w.user_len} user, {w.answer_len}-token answers), "
         f"concurrency {w.concurrency}, {ranks} ranks, {w.block_size}-token blocks, "
-        f"median of {rounds} round(s)"
+        f"{w.rank_blocks()} blocks of KV cache per rank ({w.kv_fit:g} of the heavy "
+        f"working set's {w.working_blocks()}), median of {rounds} round(s)"
     )
     if "native" in wires:
-        data = trio.run(measure_native, w, rounds, args.step, args.prefill, ranks)
+        data = trio.run(measure_native, w, rounds, args.step, args.prefill, ranks, policies)
         table = summarise(data, ranks)
         note = (
             f"Native mock (zmqdp.mock), step {args.step * 1e3:g} ms, prefill "
@@ -665,7 +745,7 @@ def main() -> None:
             print(f"(vLLM wire not run: {why})")
             sections.append(f"(vLLM wire's fakes not run: {why})")
         else:
-            data = trio.run(measure_vllm, w, rounds, args.step, args.prefill, ranks)
+            data = trio.run(measure_vllm, w, rounds, args.step, args.prefill, ranks, policies)
             table = summarise(data, ranks)
             note = (
                 f"Fake vLLM engines (zmqdp/vllm/mock.py), step {args.step * 1e3:g} ms, "

