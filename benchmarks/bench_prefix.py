@@ -320,10 +320,18 @@ def policy_options(policy: str) -> dict[str, Any] | None:
     return {"routing": "prefix", "kv_events": policy == "prefix-kv"}
 
 
-KNOBS = ("band", "slack")
-"""The prefix pick's load band (`zmqdp._core.prefix.BAND`, `SLACK`): a variant such as
+KNOBS = ("band", "slack", "speed")
+"""The prefix pick's load band (`zmqdp._core.prefix.BAND`, `SLACK`), and whether its
+load decision is speed-aware (``speed=0``: least-loaded): a variant such as
 ``prefix-approx@slack=0.5`` runs with them changed, in the same rounds as the others,
 so that a knob's effect is measured rather than guessed."""
+
+
+def group_knobs(group: Any, policy: str) -> None:
+    """The knobs of a connected group (``speed``): its routing's speed-aware flag."""
+    spec = dict(kv.split("=") for kv in policy.partition("@")[2].split(";") if kv)
+    if "speed" in spec:
+        group._core.routing._speed = spec["speed"] not in ("0", "false")
 
 
 @contextmanager
@@ -336,6 +344,7 @@ def knobs(policy: str) -> Iterator[None]:
     spec = policy.partition("@")[2]
     values = dict(kv.split("=") for kv in spec.split(";") if kv)
     unknown = set(values) - set(KNOBS)
+    values.pop("speed", None)  # `group_knobs`
     if unknown:
         raise ValueError(f"{policy}: unknown knob(s) {sorted(unknown)}; known: {KNOBS}")
     defaults = dict(prefix.pick.__kwdefaults__ or {})
@@ -374,9 +383,17 @@ async def native_engines(url: str, cfg: MockConfig) -> AsyncIterator[None]:
 
 
 async def native_phase(
-    url: str, ranks: int, options: dict[str, Any], chats: list[Session], w: Workload, tag: str
+    url: str,
+    ranks: int,
+    policy: str,
+    chats: list[Session],
+    w: Workload,
+    tag: str,
 ) -> Phase:
+    options = policy_options(policy)
+    assert options is not None
     async with EngineGroup.connect(url, ranks, ready_timeout=60, **options) as group:
+        group_knobs(group, policy)
 
         async def submit(
             rid: str, prompt: list[int], max_tokens: int
@@ -529,6 +546,7 @@ async def measure_vllm(
             try:
                 with knobs(policy):
                     async with zmqdp.vllm.connect(url, ranks, ready_timeout=60, **options) as g:
+                        group_knobs(g, policy)
                         phases = await vllm_phases(g, work, w, f"{policy}-{r}", None)
             finally:
                 proc.terminate()
@@ -676,7 +694,7 @@ async def measure_native(
                     chats = sessions(w, kind, seed)
                     tag = f"{kind}-{policy}-{r}"
                     with knobs(policy):
-                        phase = await native_phase(url, ranks, options, chats, w, tag)
+                        phase = await native_phase(url, ranks, policy, chats, w, tag)
                     out[kind][policy].append(phase)
     return out
 

@@ -53,6 +53,7 @@ from bench_prefix import (
     WORKLOADS,
     Phase,
     Workload,
+    group_knobs,
     knobs,
     markdown,
     policy_options,
@@ -103,6 +104,7 @@ async def phase(
             engines.url, RANKS, insecure=True, ready_timeout=600, **options
         ) as group:
             started = time.monotonic() - t0
+            group_knobs(group, policy)
             print(f"  {tag}: connected in {started:.0f} s", flush=True)
             phases = await vllm_phases(group, work, w, tag, answer_kept=1)
             prefix = group.statistics().prefix
