@@ -348,7 +348,7 @@ def knobs(policy: str) -> Iterator[None]:
     if unknown:
         raise ValueError(f"{policy}: unknown knob(s) {sorted(unknown)}; known: {KNOBS}")
     defaults = dict(prefix.pick.__kwdefaults__ or {})
-    saved = {name.upper(): getattr(routing, name.upper()) for name in KNOBS}
+    saved = {name: getattr(routing, name) for name in ("BAND", "SLACK")}
     try:
         for name, value in values.items():
             setattr(routing, name.upper(), float(value))
