@@ -11,7 +11,11 @@ from typing import Any
 
 import cbor2
 import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
 
+from tests.models import mutants
+from tests.models.prefix import PrefixRoutingMachine
 from zmqdp import Request
 from zmqdp._core.errors import InvalidRequest
 from zmqdp._core.handshake import RankUp, rank_identity
@@ -116,13 +120,20 @@ def test_a_session_follows_its_prefix_within_the_band_and_leaves_out_of_it(speed
 
 
 def test_a_lying_rank_draws_nothing_past_the_band() -> None:
+    """Rank 0 claims (KV events) every prompt before it is sent: new prompts, which no
+    honest rank caches. It gets one only while within the band: right after any pick
+    it holds at most the least-loaded rank's load x 1.25 + 2, plus the one it got."""
     r = routing(4)
-    assert r.prefix is not None
-    hashes = r.prefix.chain(prompt(1, 8))
-    r.prefix.set_exact(0, True)
-    r.prefix.store(0, hashes)  # claims every prompt of the session
-    picks = [r.select(f"q{i}", prefix=(prompt(1, 8), 0)) for i in range(40)]
-    assert picks.count(0) <= 40 / 4 * 1.25 + 3
+    index = r.prefix
+    assert index is not None
+    index.set_exact(0, True)
+    for i in range(60):
+        tokens = [i] * 64 + list(range(64))
+        index.store(0, index.chain(tokens))  # the liar claims it
+        r.select(f"q{i}", prefix=(tokens, 0))
+        least = min(r.inflight_count(q) for q in range(1, 4))
+        assert r.inflight_count(0) <= least * 1.25 + 2 + 1, f"pick {i}"
+    assert r.prefix_hits == r.inflight_count(0) > 15  # it drew all it could
 
 
 def test_lockstep_picks_the_least_pending_prefill_and_releases_it_at_the_first_output() -> None:
@@ -236,3 +247,67 @@ def test_exact_mode_keeps_predictions_short_and_the_stores_within_the_caps() -> 
     assert index.total <= index.max_blocks
     index.set_exact(0, False)  # back to approximate: the stores kept, within its limit
     assert index.stored(0) == 0 and index.blocks(0) == index.limit(0)
+
+
+# -- vLLM's wire and a lockstep core -------------------------------------------------
+
+
+def test_the_vllm_wire_prepares_prompt_token_ids_under_the_cache_salt() -> None:
+    from zmqdp._core.prefix import block_key
+    from zmqdp.vllm import VllmRequest
+    from zmqdp.vllm.wire import VllmWire
+
+    wire = VllmWire()
+    info = [{"max_model_len": 1000}]
+    plain = wire.prepare(VllmRequest("a", [1, 2, 3]), info, 0.0)
+    assert plain.prefix == ([1, 2, 3], 0)
+    salted = wire.prepare(VllmRequest("b", [1, 2, 3], cache_salt="s"), info, 0.0)
+    other = wire.prepare(VllmRequest("c", [1, 2, 3], cache_salt="t"), info, 0.0)
+    assert salted.prefix == ([1, 2, 3], block_key(None, [hash("s")]))
+    assert salted.prefix is not None and other.prefix is not None
+    assert len({0, salted.prefix[1], other.prefix[1]}) == 3  # separate caches
+
+
+def test_a_lockstep_cores_pending_prefill_ends_at_the_first_output() -> None:
+    c = core(lockstep=True)
+    sub = c.submit("a", None, object(), None, 1.0, None, (list(range(64)), 0))
+    assert c.routing.prefill_pending(sub.rank) == 64
+    body = cbor2.dumps(
+        {"rank": sub.rank, "epoch": 10 + sub.rank, "outputs": [{"id": sub.wire_id, "body": 1}]}
+    )
+    c.on_output([rank_identity(sub.rank), body], 2.0)
+    assert c.take_effects().deliveries  # delivered: its prefill is done
+    assert c.routing.prefill_pending(sub.rank) == 0 and not c.routing.prefilling
+
+
+# -- the prefix path against its rules (tests/models/prefix.py) -------------------------
+
+TestPrefixRouting = PrefixRoutingMachine.TestCase
+TestPrefixRouting.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+HUNT = settings(
+    max_examples=1000,
+    stateful_step_count=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    report_multiple_bugs=False,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # catching, not shrinking
+)
+
+
+@pytest.mark.parametrize(
+    ("variant", "caught_by"),
+    [
+        (mutants.UnbandedPrefixRouting, "out of the band"),
+        (mutants.NoFallbackPrefixRouting, "nothing cached in the band"),
+        (mutants.UnindexedRouting, "of the prompt's"),
+        (mutants.PrefillLeakRouting, "pending drifted|outlived"),
+    ],
+)
+def test_prefix_routing_machine_catches(variant: type[Routing], caught_by: str) -> None:
+    machine = type(
+        f"PrefixRoutingWith{variant.__name__}", (PrefixRoutingMachine,), {"routing_cls": variant}
+    )
+    with pytest.raises(AssertionError, match=caught_by):
+        run_state_machine_as_test(machine, settings=HUNT)

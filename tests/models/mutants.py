@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from zmqdp._core.codec import EntryCursor
@@ -492,3 +492,43 @@ class RemoveKeepsPredictedIndex(PrefixIndex):
     def remove(self, rank: int, keys: Sequence[int], incarnation: int | None = None) -> None:
         stored = self._stored[rank]
         super().remove(rank, [k for k in keys if k in stored], incarnation)
+
+
+# -- prefix affinity in `Routing.select` (caught by tests/models/prefix.py) --------------
+
+
+class UnbandedPrefixRouting(Routing):
+    """Affinity with no load guard: the rank caching most wins however loaded
+    (sgl-project/sglang#21199)."""
+
+    def _affinity(self, cached: Sequence[int], prompt: int, start: int) -> int:
+        if not any(cached):
+            return -1
+        loads = [0.0 if self.has_room(r) else math.inf for r in range(self.size)]
+        pending = self._prefill_pending if self._lockstep else None
+        return pick(loads, cached, prompt, start=start, pending=pending)
+
+
+class NoFallbackPrefixRouting(Routing):
+    """`pick` decides even when nothing in the band is cached: least-loaded by load
+    score, not the routing's own load decision (speed-aware routing lost)."""
+
+    def _affinity(self, cached: Sequence[int], prompt: int, start: int) -> int:
+        loads = [self.load_score(r) if self.has_room(r) else math.inf for r in range(self.size)]
+        pending = self._prefill_pending if self._lockstep else None
+        return pick(loads, cached, prompt, start=start, pending=pending)
+
+
+class UnindexedRouting(Routing):
+    """Never indexes the prompts it sends: no session finds its prefix again."""
+
+    def _index_prompt(self, rank: int, hashes: Sequence[int]) -> None:
+        pass
+
+
+class PrefillLeakRouting(Routing):
+    """A request that ends before its first output keeps its pending prefill: a lockstep
+    rank looks busier and busier."""
+
+    def _prefill_done(self, request_ids: Iterable[str]) -> None:
+        pass

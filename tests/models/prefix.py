@@ -17,13 +17,17 @@ broken variants in tests/models/mutants.py.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from zmqdp._core.errors import NoEngineAvailable, Overloaded
+from zmqdp._core.messages import Load
 from zmqdp._core.prefix import BAND, SLACK, PrefixIndex
+from zmqdp._core.routing import Routing
 
 Prefix = tuple[int, ...]
 
@@ -349,3 +353,145 @@ def check_pick(
     assert own[chosen] == min(own.values()), f"lockstep: rank {chosen}'s own load is not least"
     best = min(worst(r) for r in band_ranks)
     assert worst(chosen) <= best, f"lockstep: rank {chosen} leaves max {worst(chosen)} > {best}"
+
+
+# -- the prefix path of `Routing.select` -----------------------------------------------
+
+
+SESSION_TOKENS = st.lists(st.integers(0, 3), min_size=0, max_size=10)
+
+
+class PrefixRoutingMachine(RuleBasedStateMachine):
+    """`Routing` with a prefix index, fed as the core feeds it (picks with and without
+    token ids, pinned picks, releases, first outputs, load reports, caps, ranks down and
+    up). Every unpinned pick with token ids is checked against what it must be, from
+    the state just before it:
+
+    * none with room: it raises, and nothing changes;
+    * its load score is within the band (``least x (1 + BAND) + SLACK``);
+    * if a rank in the band caches some of the prompt: independent ranks, the chosen
+      caches the most of them, and is the least loaded of those; lockstep, the chosen's
+      pending prefill plus uncached tokens is the least in the band;
+    * otherwise it is the plain load decision (a copy of the routing, asked without
+      token ids), so a workload with no shared prefixes routes as without affinity;
+    * afterwards the rank holds the prompt's blocks (as many as its limit lets it: the
+      global cap is out of reach here, `IndexMachine` checks it) and,
+      lockstep, its pending prefill grew by the prompt's uncached tokens.
+
+    Subclass and set `routing_cls` to run a variant."""
+
+    routing_cls: type[Routing] = Routing
+
+    @initialize(
+        n=st.integers(1, 5),
+        speed=st.booleans(),
+        lockstep=st.booleans(),
+        tree=st.booleans(),
+        block_size=st.integers(1, 3),
+    )
+    def setup(self, n: int, speed: bool, lockstep: bool, tree: bool, block_size: int) -> None:
+        self.n = n
+        self.lockstep = lockstep
+        self.index = PrefixIndex(n, block_size=block_size, max_blocks=1024, rank_blocks=32)
+        self.routing = self.routing_cls(
+            n, up=True, speed=speed, tree=tree, prefix=self.index, lockstep=lockstep
+        )
+        self.live: list[tuple[str, int]] = []
+        self.sent: list[list[int]] = []
+        self.serial = 0
+
+    def _id(self) -> str:
+        self.serial += 1
+        return f"r{self.serial}"
+
+    @rule(data=st.data(), fresh=SESSION_TOKENS, reuse=st.booleans())
+    def submit(self, data: st.DataObject, fresh: list[int], reuse: bool) -> None:
+        tokens = fresh
+        if reuse and self.sent:  # a session's next turn: a prompt sent before, and more
+            tokens = data.draw(st.sampled_from(self.sent)) + fresh
+        routing, index = self.routing, self.index
+        hashes = index.chain(tokens)
+        cached = [min(c, len(tokens)) for c in index.cached_tokens(hashes)]
+        loads = [routing.load_score(r) if routing.has_room(r) else math.inf for r in range(self.n)]
+        pending = [routing.prefill_pending(r) for r in range(self.n)]
+        plain = copy.deepcopy(routing)
+        plain.prefix = None
+        rid = self._id()
+        least = min(loads)
+        if least == math.inf:
+            try:
+                routing.select(rid, prefix=(tokens, 0))
+            except (Overloaded, NoEngineAvailable):
+                return
+            raise AssertionError("picked with no rank free")
+        chosen = routing.select(rid, prefix=(tokens, 0))
+        self.live.append((rid, chosen))
+        self.sent.append(tokens)
+        bound = least * (1 + BAND) + SLACK
+        band = [r for r in range(self.n) if loads[r] <= bound]
+        assert chosen in band, f"rank {chosen} (load {loads[chosen]}) out of the band {bound}"
+        if any(cached[r] for r in band):
+            if self.lockstep:
+                own = {r: pending[r] + len(tokens) - cached[r] for r in band}
+                assert own[chosen] == min(own.values()), f"lockstep: {chosen} is not least"
+            else:
+                most = max(cached[r] for r in band)
+                assert cached[chosen] == most, f"rank {chosen} caches {cached[chosen]} < {most}"
+                least_of_most = min(loads[r] for r in band if cached[r] == most)
+                assert loads[chosen] == least_of_most, f"rank {chosen} is not the least loaded"
+        else:
+            want = plain.select(rid)
+            assert chosen == want, f"nothing cached in the band: picked {chosen}, plain {want}"
+        held = index.match(hashes)[chosen]
+        assert held == min(len(hashes), index.limit(chosen)), (
+            f"rank {chosen} holds {held} of the prompt's {len(hashes)} blocks"
+        )
+        if self.lockstep:
+            grew = routing.prefill_pending(chosen) - pending[chosen]
+            assert grew == len(tokens) - cached[chosen], f"pending grew by {grew}"
+
+    @rule(rank=st.integers(0, 4))
+    def pinned(self, rank: int) -> None:
+        rank %= self.n
+        if self.routing.has_room(rank):
+            rid = self._id()
+            self.routing.select(rid, rank)
+            self.live.append((rid, rank))
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if self.live:
+            rid, rank = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
+            self.routing.release(rank, [rid])
+
+    @rule(data=st.data())
+    def first_output(self, data: st.DataObject) -> None:
+        if self.live:
+            rid, _ = data.draw(st.sampled_from(self.live))
+            self.routing.started(rid)
+
+    @rule(rank=st.integers(0, 4), waiting=st.integers(0, 4), running=st.integers(0, 4))
+    def load(self, rank: int, waiting: int, running: int) -> None:
+        self.routing.observe_load(rank % self.n, Load(waiting, running, 0.3))
+
+    @rule(rank=st.integers(0, 4), cap=st.none() | st.integers(1, 3))
+    def cap(self, rank: int, cap: int | None) -> None:
+        self.routing.set_cap(rank % self.n, cap)
+
+    @rule(rank=st.integers(0, 4))
+    def down_and_up(self, rank: int) -> None:
+        rank %= self.n
+        held = self.routing.take_down(rank)
+        self.live = [(rid, r) for rid, r in self.live if rid not in held]
+        self.routing.set_up(rank)
+
+    @invariant()
+    def pending_is_the_sum_of_the_prefills_not_started(self) -> None:
+        if not hasattr(self, "routing"):
+            return
+        routing = self.routing
+        for r in range(self.n):
+            want = sum(t for rank, t in routing.prefilling.values() if rank == r)
+            assert routing.prefill_pending(r) == want, f"rank {r}: pending drifted"
+        live = {rid for rid, _ in self.live}
+        assert set(routing.prefilling) <= live, "a prefill outlived its request"

@@ -1,5 +1,5 @@
 """Prefix affinity: which ranks probably hold a prompt's prefix in their KV cache, and a
-pick that uses it only where load allows (issue 36; not wired into `Routing` yet).
+pick that uses it only where load allows (``routing="prefix"``: `Routing.select`).
 
 Theory of operation
 -------------------
@@ -42,6 +42,31 @@ full blocks of ``block_size`` token ids (a partial last block is never cached, n
   `rank_blocks`), and a prompt longer than a rank's limit is indexed up to it.
 * A rank that dies or is replaced loses its cache: `forget` drops its entries and takes
   the new incarnation number; an `insert` naming another incarnation is ignored.
+* A change of block size (`set_block_size`: the engines' own, from vLLM's ready
+  response, so that exact keys are the engine's blocks) clears every rank's entries:
+  their keys named other blocks.
+
+**Exact mode** (vLLM engines started with ``--kv-events-config``; `_core/kv_events.py`
+turns their events into our own block keys, `block_key`, so both modes share one
+index). Every method names the rank's incarnation, and one naming another is ignored:
+
+* `set_exact` (the rank's events are live): its limit becomes its capacity, not shrunk
+  by usage (the events say what it holds, in use or free); its approximate entries
+  become *predictions*, at most `predicted_blocks` (`PREDICTED_BLOCKS`), the newest:
+  an engine reports a block only once it computed it, after prefill, so the prompts
+  just sent must count before their events arrive, and no longer.
+* `store` (BlockStored): the blocks become exact entries (a predicted one moves over),
+  oldest store first; `remove` (BlockRemoved) drops them, exact or predicted; `drop`
+  (AllBlocksCleared, or events lost for good) drops every entry and keeps the
+  incarnation; `hold` (a replay of missed events under way) makes `match` report
+  nothing cached on the rank until released.
+* **A hostile engine** can claim any blocks. Its entries count in its limit (its
+  capacity, at most `rank_blocks`) and in the global cap, predictions evicted first and
+  then its oldest stores: memory stays O(max_blocks). A claim of the whole prompt
+  counts as the prompt (`pick` clamps), so it can tie an honest hit, never beat it; and
+  the band bounds the requests it draws to what a rank within a quarter (+2) of the
+  least-loaded one takes. Turning exact mode off makes its stores approximate entries,
+  shrunk to the approximate limit.
 
 **The pick** (`pick`) takes each candidate's load (whatever score the load decision uses;
 +inf for a rank that is down or full), its cached tokens for this prompt (from `match`),

@@ -18,7 +18,10 @@ The submit path (`submit`), in this order:
    `InvalidRequest` before anything is registered or reserved;
 3. register and reserve (`RequestBook.submit`: a live duplicate raises first; then
    `Routing.select`, where admission control raises `Overloaded` when the pinned rank,
-   or every up rank, is at its in-flight cap);
+   or every up rank, is at its in-flight cap; with prefix affinity, the prompt's token
+   ids (`Prepared.prefix`) weigh in within the load band and are indexed on the rank
+   chosen: `prefix`, which the core feeds with the ranks' handshakes, load reports and
+   deaths);
 4. refuse an ADD larger than the chosen rank's `max_message_size` (§1), rolling the
    reservation back: the caller gets `InvalidRequest`, nothing is sent or kept;
 5. record the request's deadline, if it has a timeout (`on_deadline` ends it TIMED_OUT);
