@@ -258,6 +258,9 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
             for rank in range(engines):
                 group._rank_up(listener.ups[rank])
             listener.group = group
+            attach = getattr(transport, "attach_prefix", None)
+            if attach is not None:  # vLLM: the KV-event tasks apply to the index
+                attach(core.prefix, core.kv_events)
             assert transport.nursery is not None
             transport.nursery.start_soon(group._dispatcher.run, name="zmqdp-dispatcher")
             try:

@@ -27,17 +27,18 @@ returns what they mean, as values:
   the rank's replay socket (a DEALER: vLLM's ROUTER answers one request with many
   messages, which a REQ socket cannot read) and pass each answer to `replayed`.
 
-Sequence numbers: the first message sets the expected seq (if it is not 0 and the
-rank has a replay socket, the feed first asks for a replay from 0, since the engine
-counts from 0 at start). An older seq is a duplicate (ignored); a newer one is a gap: with a
-replay socket the feed asks for the missing range and holds live messages (bounded)
-until the replay's end marker or `replay_timeout` (`tick`), then applies them in
-order; what the replay did not cover becomes a `Dropped`. While a replay is under way
-(`replaying`) the index may still hold blocks evicted in the missing range: the
-policy must not use it for that rank. Without a replay socket a
-gap is a `Dropped` at once. vLLM's PUB drops messages past its high-water mark, so gaps
-happen under load; dropping is always safe (it only costs hits), keeping a block the
-engine evicted is not (it draws traffic to a rank for a prefix it lost).
+Sequence numbers: the first message sets the expected seq (if it is not 0 and the rank
+has a replay socket, the feed first asks for a replay from 0, since the engine counts
+from 0 at start; `start` asks for it before any message, since a subscriber that joins
+late misses what came first). An older seq is a duplicate (ignored); a newer one is a
+gap: with a replay socket the feed asks for the missing range and holds live messages
+(bounded) until the replay's end marker or `replay_timeout` (`tick`), then applies them
+in order; what the replay did not cover becomes a `Dropped`. While a replay is under way
+(`replaying`) the index may still hold blocks evicted in the missing range: the policy
+must not use it for that rank. Without a replay socket a gap is a `Dropped` at once.
+vLLM's PUB drops messages past its high-water mark, so gaps happen under load; dropping
+is always safe (it only costs hits), keeping a block the engine evicted is not (it draws
+traffic to a rank for a prefix it lost).
 
 A hostile or broken engine cannot grow memory or the index without bound, or make
 the feed raise: a payload over `max_payload` bytes, one that is not a
@@ -268,6 +269,17 @@ class KvEventFeed:
         return len(self._known)
 
     # -- input --------------------------------------------------------------------------
+
+    def start(self, now: float) -> list[KvEvent]:
+        """Before the first message, with a replay socket: ask for everything the engine
+        still buffers. A SUB misses what was published before it joined (ZeroMQ's slow
+        joiner), and an engine that is idle afterwards would publish nothing that
+        reveals the gap."""
+        if not self.replay or self._replay is not None or self.expected is not None:
+            return []
+        self.counters.replays += 1
+        self._replay = _Replay(0, now + self.replay_timeout)
+        return [AskReplay(0)]
 
     def feed(self, frames: Sequence[bytes], now: float) -> list[KvEvent]:
         """One message from the rank's PUB socket."""

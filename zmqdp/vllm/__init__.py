@@ -5,7 +5,8 @@ vLLM's own serializer). See docs/guides/vllm.md.
 
 What vLLM changes, by file: `wire.py` (requests, outputs, waves, calls), `codec.py` (the
 msgspec frames), `handshake.py` (the start-up handshake), `sockets.py` (the frontend's
-and coordinator's sockets), `group.py` (putting them together: `connect`). `mock.py` is
+and coordinator's sockets), `kv_events.py` (following the engines' KV events for prefix
+affinity), `group.py` (putting them together: `connect`). `mock.py` is
 the other side: fake engine cores for ``zmqdp mock --wire vllm`` and the tests (not
 imported here)."""
 

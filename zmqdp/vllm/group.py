@@ -96,6 +96,11 @@ async def connect(
     (`EngineGroup.wire_version(rank)`), and an unknown version is taken as the nearest
     known one with a warning.
 
+    `routing="prefix"` sends a request where its prompt's prefix is cached (within the
+    load band); with `kv_events=True` (the default) the client also follows the KV
+    events of every rank whose ready response enables them (``--kv-events-config``),
+    the exact mode (docs/guides/vllm.md, "Prefix affinity and KV events").
+
     The other keyword arguments are `zmqdp.ConnectOptions`'s, as for
     `EngineGroup.connect` (`ready_timeout` defaults to 600 s: engines load a model
     first; `curve` is refused: vLLM's wire has no authentication, so a tcp URL other

@@ -97,7 +97,33 @@ engine does once a pause reached consensus); `send_raw(frames)` puts any message
 output socket; `FakeVllmGroup.restart(rank)` makes a new incarnation of a rank (run it:
 it says HELLO again).
 
-Not modelled: prefix caching (no cache hits), chunked prefill and the token budget,
+Prefix cache (`prefix_cache`, on by default, as vLLM's): each engine keeps an LRU of
+full blocks of `block_size` prompt tokens, at most `num_gpu_blocks` of them, keyed by its
+own chained hash, seeded per incarnation as vLLM's is per process (so no client can
+compute it). A new request's cached prefix is its longest run of leading blocks in the
+cache, never the whole prompt (vLLM recomputes at least its last token); it is its
+first output's ``num_cached_tokens`` and its step's prefix-cache ``hits``; its other
+full blocks are stored (leaf first in the LRU, so a prefix's root is evicted last) and
+the least recently used blocks beyond `num_gpu_blocks` evicted. `prefill_per_token`
+(seconds, 0 by default) is the step time each uncached prompt token adds. Output
+tokens are never cached (vLLM caches blocks they fill too), and a running request's
+blocks may be evicted (vLLM's are pinned while it runs).
+
+KV events (`kv_events`, a ``--kv-events-config`` map): the engine publishes its cache's
+changes as vLLM 0.32's `ZmqEventPublisher` does (docs/kv-events.md): a PUB (an XPUB, to
+count subscriptions: `kv_subscriptions`) at the endpoint offset by the rank
+(``*``/``::``/ipc: bound; ``tcp://*:0``: bound on ``VLLM_HOST_IP``, or 127.0.0.1, and
+the real address reported; a concrete address: connected), one ``[topic, seq,
+KVEventBatch]`` per step that changed the cache (`BlockRemoved` per evicted block, then
+`BlockStored`; the utility ``reset_prefix_cache`` publishes `AllBlocksCleared`), seq
+from 0, the last ``buffer_steps`` batches kept for the replay ROUTER (``[id, b"",
+start]`` in, each batch from `start` and the END marker out), and the resolved config in
+the ready response's ``kv_events_config``. Faults: `kv_lose(n)` (the next n batches are
+counted and buffered but not sent: a PUB past its high-water mark), `kv_replay_mute`
+(the replay socket never answers), `publish_kv(events)` (any events, true or not, as the
+next batch).
+
+Not modelled: chunked prefill and the token budget,
 preemption, several frontends (the engine uses the init's first input and output
 address), elastic EP beyond its READY fields, the TCPStore protocol (a non-zero
 ``_coord_store_port`` that accepts a connection is taken as working).
@@ -112,9 +138,11 @@ import collections
 import errno
 import json
 import math
+import os
+import secrets
 import socket as _socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +183,23 @@ def model_directory(model: str | Path) -> Path:
     if not path.is_dir() and str(model) == MOCK_MODEL:
         return mock_model_dir()
     return path
+
+
+MASK64 = (1 << 64) - 1
+KV_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def _offset(endpoint: str, rank: int) -> str:
+    """`ZmqEventPublisher.offset_endpoint_port`: the rank's endpoint (tcp port + rank,
+    port 0 left to the OS; inproc suffixed ``_dp<rank>``; others as given)."""
+    if rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    return endpoint
 
 
 enc = msgspec.msgpack.encode
@@ -316,8 +361,21 @@ class FakeVllmGroup:
         log_stats: bool = True,
         token_range: tuple[int, int] | None = None,
         eos_after: int | None = None,
+        prefix_cache: bool = True,
+        prefill_per_token: float = 0.0,
+        block_size: int = 16,
+        num_gpu_blocks: int = 27000,
+        kv_events: Mapping[str, Any] | None = None,
     ) -> None:
         self.url = url
+        self.prefix_cache = prefix_cache
+        """Each engine caches its prompts' full blocks (module docstring)."""
+        self.prefill_per_token = prefill_per_token
+        """Seconds of step time per uncached prompt token."""
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.kv_events = dict(kv_events) if kv_events is not None else None
+        """The engines' ``--kv-events-config`` (None: no events)."""
         self.token_range = token_range
         """(low, high): generated ids wrap from high - 1 to low (None: they count up)."""
         self.eos_after = eos_after
@@ -400,6 +458,9 @@ class FakeVllmEngine:
         "log_stats",
         "config_hash",
         "enable_elastic_ep",
+        "prefix_cache",
+        "prefill_per_token",
+        "kv_events",
     )
     """What a restarted incarnation keeps (its command line)."""
 
@@ -417,8 +478,33 @@ class FakeVllmEngine:
         self.max_model_len = group.max_model_len
         self.max_num_seqs = group.max_num_seqs
         self.max_num_batched_tokens = 8192
-        self.num_gpu_blocks = 27000
-        self.block_size = 16
+        self.num_gpu_blocks = group.num_gpu_blocks
+        self.block_size = group.block_size
+        self.prefix_cache = group.prefix_cache
+        self.prefill_per_token = group.prefill_per_token
+        self.kv_events: dict[str, Any] | None = group.kv_events
+        """Its ``--kv-events-config`` (module docstring)."""
+        self.kv_events_config: dict[str, Any] | None = None
+        """The resolved config (ready response), once its publisher is set up."""
+        self.hash_seed = secrets.randbits(64)  # vLLM's NONE_HASH: random per process
+        self.cache: collections.OrderedDict[int, None] = collections.OrderedDict()
+        """Cached blocks (the engine's hashes), least recently used first."""
+        self.cache_hits = 0
+        """Prompt tokens served from the cache, in all."""
+        self.kv_seq = 0
+        """The seq of the next KV-event batch."""
+        self.kv_published: list[list[dict[str, Any]]] = []
+        """Every KV-event batch's events, for the tests."""
+        self.kv_replay_mute = False
+        """The replay socket reads requests and never answers."""
+        self._kv_lose = 0
+        self._kv_events: list[dict[str, Any]] = []  # of the step under way
+        self._kv_buffer: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._kv_out: collections.deque[list[bytes]] = collections.deque()
+        self._kv_pub: ZSocket | None = None
+        self.kv_subscriptions = 0
+        """Subscriptions its KV-event PUB received."""
+        self._prefilled = 0  # uncached prompt tokens of the last step
         self.dtype = "bfloat16"
         self.log_stats = group.log_stats
         self.enable_elastic_ep = False
@@ -433,6 +519,7 @@ class FakeVllmEngine:
             "get_supported_tasks": lambda: ["generate"],
             "echo": lambda *a: list(a),
             "reset_mm_cache": lambda: None,  # vLLM's API server calls it at start-up
+            "reset_prefix_cache": self.reset_prefix_cache,
         }
         self.no_ready = False
         self.frozen = False
@@ -453,7 +540,7 @@ class FakeVllmEngine:
         self._finished_for_client: list[str] = []  # finished_req_ids_dict[0]
         self._to_fail: dict[str, dict[str, Any]] = {}
         self._executed = False
-        self._new_requests = self._new_prompt_tokens = 0  # of the last step
+        self._new_requests = self._new_prompt_tokens = self._new_hits = 0  # of the last step
         self._dp_listeners: list[_socket.socket] = []
         # wave state (MoE)
         self.current_wave = 0
@@ -475,6 +562,53 @@ class FakeVllmEngine:
         zs = ZSocket(sock)
         self.sockets.append(zs)
         return zs
+
+    def _kv_socket(self, kind: int, endpoint: str) -> tuple[ZSocket, str]:
+        """A KV-event socket at `endpoint` (already offset by the rank), bound or
+        connected as `ZmqEventPublisher._socket_setup` does; the endpoint it reports."""
+        sock = self.group.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        zs = ZSocket(sock)
+        self.sockets.append(zs)
+        bind = kind == zmq.ROUTER or "*" in endpoint or "::" in endpoint
+        if not (bind or endpoint.startswith(("ipc://", "inproc://"))):
+            sock.connect(endpoint)
+        elif endpoint == "tcp://*:0":  # the node's IP, and the port the OS picked
+            sock.bind(f"tcp://{os.environ.get('VLLM_HOST_IP') or '127.0.0.1'}:0")
+            last = sock.getsockopt(zmq.LAST_ENDPOINT)
+            endpoint = last.decode() if isinstance(last, bytes) else str(last)
+        else:
+            sock.bind(endpoint)
+        return zs, endpoint
+
+    def _open_kv_events(self) -> tuple[ZSocket | None, ZSocket | None]:
+        """The publisher's PUB and replay ROUTER (`ZmqEventPublisher.__init__`), if the
+        engine has a kv-events config that enables them; sets `kv_events_config`."""
+        cfg = self.kv_events
+        if not cfg or not cfg.get("enable_kv_cache_events"):
+            self.kv_events_config = None
+            return None, None
+        endpoint = _offset(str(cfg.get("endpoint", "tcp://*:5557")), self.rank)
+        replay_at = cfg.get("replay_endpoint")
+        pub, endpoint = self._kv_socket(zmq.XPUB, endpoint)
+        pub.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._kv_pub = pub
+        replay = None
+        if replay_at:
+            replay, replay_at = self._kv_socket(zmq.ROUTER, _offset(str(replay_at), self.rank))
+        buffer_steps = int(cfg.get("buffer_steps", 10_000))
+        self._kv_buffer = collections.deque(maxlen=buffer_steps)
+        self.kv_events_config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay_at,
+            "buffer_steps": buffer_steps,
+            "hwm": int(cfg.get("hwm", 100_000)),
+            "max_queue_size": int(cfg.get("max_queue_size", 100_000)),
+            "topic": str(cfg.get("topic", "")),
+        }
+        return pub, replay
 
     def close(self) -> None:
         """Close the engine's sockets and DP listeners (a dead process's are gone)."""
@@ -528,6 +662,7 @@ class FakeVllmEngine:
         if addrs.get("coordinator_input") is not None:
             xsub = self._socket(zmq.XSUB, addrs["coordinator_input"])
             await xsub.send([b"\x01"])
+        kv_pub, kv_replay = self._open_kv_events()  # the scheduler's, made before READY
         await inp.send([enc(self.ready_response())])
         if xsub is not None:  # "Waiting for READY message from DP Coordinator..."
             while True:
@@ -544,6 +679,10 @@ class FakeVllmEngine:
             nursery.start_soon(self._serve_input, inp)
             if xsub is not None:
                 nursery.start_soon(self._serve_xsub, xsub)
+            if kv_pub is not None:
+                nursery.start_soon(self._serve_kv_pub, kv_pub)
+            if kv_replay is not None:
+                nursery.start_soon(self._serve_kv_replay, kv_replay)
             await self._busy_loop(out, coord_out)
             nursery.cancel_scope.cancel()
 
@@ -641,7 +780,7 @@ class FakeVllmEngine:
             "mamba_block_size": None,
             "kv_cache_size_tokens": tokens,
             "kv_cache_max_concurrency": tokens / self.max_model_len,
-            "kv_events_config": None,
+            "kv_events_config": self.kv_events_config,
             "weight_transfer_backend": None,
             "enable_sleep_mode": False,
             "supports_draft_weight_updates": False,
@@ -702,6 +841,123 @@ class FakeVllmEngine:
                 elif kind == b"\x03":
                     self._push("utility", payload)
 
+    # -- the prefix cache and its KV events -----------------------------------------
+
+    def _prefix(self, tokens: Sequence[int]) -> int:
+        """A new request's prompt meets the cache (module docstring): its cached tokens.
+        Stores its other full blocks and evicts past `num_gpu_blocks`, noting the
+        events of both."""
+        if not self.prefix_cache:
+            return 0
+        bs = self.block_size
+        blocks = len(tokens) // bs
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range(blocks):
+            parent = hash((self.hash_seed, parent, *tokens[i * bs : (i + 1) * bs])) & MASK64
+            hashes.append(parent)
+        cache = self.cache
+        hit = 0
+        limit = min(blocks, (len(tokens) - 1) // bs)  # at least one token recomputed
+        while hit < limit and hashes[hit] in cache:
+            hit += 1
+        mark = len(self._kv_events)
+        stored: list[int] = []
+        for i in range(hit, blocks + 1):  # runs of blocks not cached yet, each one event
+            if i < blocks and hashes[i] not in cache:
+                stored.append(i)
+                continue
+            if stored:
+                first = stored[0]
+                self._kv_events.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [hashes[j] for j in stored],
+                        "parent_block_hash": hashes[first - 1] if first else None,
+                        "token_ids": list(tokens[first * bs : (stored[-1] + 1) * bs]),
+                        "block_size": bs,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                    }
+                )
+                stored = []
+        for h in reversed(hashes):  # leaf first: the root is the most recently used
+            cache[h] = None
+            cache.move_to_end(h)
+        removed = []
+        while len(cache) > max(self.num_gpu_blocks, blocks):
+            h, _ = cache.popitem(last=False)
+            removed.append({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"})
+        self._kv_events[mark:mark] = removed  # vLLM evicts (to allocate), then stores
+        self.cache_hits += hit * bs
+        return hit * bs
+
+    def reset_prefix_cache(self) -> bool:
+        """The ``reset_prefix_cache`` utility: empty the cache (`AllBlocksCleared`)."""
+        self.cache.clear()
+        self._kv_events.append({"type": "AllBlocksCleared"})
+        self._publish_kv_step()
+        return True
+
+    def publish_kv(self, events: list[dict[str, Any]]) -> None:
+        """Publish `events` (any, true or not) as the next batch: a lying engine."""
+        self._kv_events.extend(events)
+        self._publish_kv_step()
+
+    def kv_lose(self, batches: int = 1) -> None:
+        """The next `batches` batches get their seq and a place in the replay buffer,
+        but never reach a subscriber (vLLM's PUB past its high-water mark)."""
+        self._kv_lose += batches
+
+    def _publish_kv_step(self) -> None:
+        """The step's events as one batch (`Scheduler.update_from_output`), if any and
+        if the engine publishes."""
+        events, self._kv_events = self._kv_events, []
+        cfg = self.kv_events_config
+        if not events or cfg is None:
+            return
+        self.kv_published.append(events)
+        seq, self.kv_seq = self.kv_seq, self.kv_seq + 1
+        payload = enc([time.time(), events, self.rank])
+        self._kv_buffer.append((seq, payload))
+        if self._kv_lose:
+            self._kv_lose -= 1
+            return
+        self._kv_out.append([cfg["topic"].encode(), seq.to_bytes(8, "big"), payload])
+        if self._kv_pub is not None:
+            self._kv_pub.kick()
+
+    async def _serve_kv_pub(self, zs: ZSocket) -> None:
+        """Own the PUB: send what the steps queued (it never blocks: past its high-water
+        mark it drops). It is an XPUB, which subscribers cannot tell from vLLM's PUB,
+        so that tests can wait for a subscription (`kv_subscriptions`) instead of
+        losing the first batches to ZeroMQ's slow joiner."""
+        while True:
+            for frames in zs.receive_nowait():
+                if frames and frames[0][:1] == b"\x01":
+                    self.kv_subscriptions += 1
+                    self._seen.set()
+            while self._kv_out:
+                zs.send_nowait(self._kv_out.popleft())
+            await zs.wait_readable_or_kicked()
+
+    async def _serve_kv_replay(self, zs: ZSocket) -> None:
+        """Own the replay ROUTER (`_service_replay`): a 3-frame request gets every
+        buffered batch from its seq on, then the END marker; others are ignored."""
+        assert self.kv_events_config is not None
+        topic = self.kv_events_config["topic"].encode()
+        while True:
+            for frames in await zs.receive_batch():
+                if len(frames) != 3 or self.kv_replay_mute:
+                    continue
+                client, _, start = frames
+                first = int.from_bytes(start, "big")
+                for seq, payload in list(self._kv_buffer):
+                    if seq >= first:
+                        zs.send_nowait([client, b"", topic, seq.to_bytes(8, "big"), payload])
+                zs.send_nowait([client, b"", b"", KV_END_SEQ, b""])
+
     async def _serve_xsub(self, zs: ZSocket) -> None:
         while True:
             for frames in await zs.receive_batch():
@@ -728,6 +984,8 @@ class FakeVllmEngine:
             await self._maybe_publish_request_counts(coord)
             message = self._engine_step()
             executed = self._executed
+            if self._prefilled and self.prefill_per_token > 0:
+                await trio.sleep(self._prefilled * self.prefill_per_token)  # the prefill
             if not self.moe:
                 if message is not None:
                     await out.send([message])
@@ -846,6 +1104,7 @@ class FakeVllmEngine:
         self.requests[rid] = {
             "next": self._next_token(req[1][-1]),
             "prompt": len(req[1]),
+            "tokens": req[1],
             "generated": 0,
             "left": sp.get("max_tokens", 16),
             "eos": sp.get("_eos_token_id"),
@@ -905,6 +1164,7 @@ class FakeVllmEngine:
             self._executed = False
             return None
         outputs = self._step()
+        self._publish_kv_step()
         finished = None
         if self._finished_for_client:
             finished, self._finished_for_client = self._finished_for_client, []
@@ -921,7 +1181,7 @@ class FakeVllmEngine:
         outputs = []
         failed = []
         version = play(self.version)
-        self._new_prompt_tokens = new_requests = 0
+        self._new_prompt_tokens = new_requests = self._new_hits = self._prefilled = 0
         running = 0
         now = time.monotonic()
         for rid, st in list(self.requests.items()):
@@ -936,6 +1196,9 @@ class FakeVllmEngine:
             if first:
                 new_requests += 1
                 self._new_prompt_tokens += st["prompt"]
+                st["cached"] = cached = self._prefix(st["tokens"])
+                self._new_hits += cached
+                self._prefilled += st["prompt"] - cached
                 if self.log_stats:
                     st["events"].append({"type": SCHEDULED, "timestamp": now})
             tokens: list[int] = []
@@ -959,14 +1222,14 @@ class FakeVllmEngine:
             events, st["events"] = st["events"] or None, []
             prefill = None
             if first:  # Request.prefill_stats, taken with its first output
-                p = st["prompt"]
+                p, cached = st["prompt"], st["cached"]
                 prefill = {
                     "num_prompt_tokens": p,
-                    "num_computed_tokens": p,
-                    "num_cached_tokens": 0,
-                    "num_local_cached_tokens": 0,
+                    "num_computed_tokens": p - cached,
+                    "num_cached_tokens": cached,
+                    "num_local_cached_tokens": cached,
                     "num_external_cached_tokens": 0,
-                    "num_cache_creation_tokens": p // self.block_size * self.block_size,
+                    "num_cache_creation_tokens": p // self.block_size * self.block_size - cached,
                 }
             outputs.append(
                 output_entry(
@@ -1012,7 +1275,7 @@ class FakeVllmEngine:
             running,
             waiting,
             kv_cache_usage=self._kv_cache_usage(),
-            prefix=prefix_cache_stats(self._new_requests, self._new_prompt_tokens, 0),
+            prefix=prefix_cache_stats(self._new_requests, self._new_prompt_tokens, self._new_hits),
             step=True,
         )
 

@@ -27,6 +27,13 @@ vLLM's socket map (`vllm/v1/engine/core_client.py`, `core.py`, `coordinator.py`)
   coordinator output (stats, ``wave_complete``, ``start_wave``) is its own output
   PULL: those messages reach the one dispatcher, in the stream it already reads.
 
+* with ``routing="prefix"`` and ``kv_events=True``, per rank whose ready response
+  enables KV events, a SUB and a replay DEALER, owned by that rank incarnation's task
+  in `kv_events.py` (started when the rank is up, after the group took the new
+  incarnation; cancelled when it is forgotten). The group attaches its prefix index
+  (`attach_prefix`) once its core exists; a wildcard endpoint host is replaced by the
+  peer address of the input connection the rank's ready response came on.
+
 **Dormant ranks** (dense groups). A vLLM engine does its handshake once per process,
 so a rank declared dead while its process lives (a stall longer than the heartbeat
 timeout: the client drops its input connection; or the silence rule) used to be lost
@@ -67,6 +74,7 @@ import zmq
 
 from .._addresses import is_loopback
 from .._core.errors import ProtocolError
+from .._core.kv_events import KvEventCounters
 from .._core.liveness import ConnectionWatch
 from .._transport import CONTROL_MAX_MESSAGE, TransportBase, TransportListener
 from .._util import LogLimiter, open_service_nursery
@@ -83,6 +91,7 @@ from .codec import (
     rank_identity,
 )
 from .handshake import VllmHandshake
+from .kv_events import ExactIndex, KvEvents, peer_host
 
 __all__ = ["MASTER_PORTS", "VllmTransport", "moe_parallel_config", "open_vllm_transport"]
 
@@ -293,6 +302,17 @@ class VllmTransport(TransportBase):
         """Probes sent to dormant ranks."""
         self.resumptions = 0
         """Dormant ranks that came back (the same process answered)."""
+        self.kv = KvEvents(
+            self.context,
+            enabled=options.routing == "prefix" and options.kv_events,
+        )
+        """The ranks' KV-event tasks (exact prefix affinity: `kv_events.py`)."""
+        self._hosts: dict[int, str | None] = {}  # each rank's engine address, as seen here
+        self._url_host = (
+            url[len("tcp://") :].rpartition(":")[0].strip("[]")
+            if url.startswith("tcp://")
+            else None
+        )
 
     def _bind(self, kind: int, address: str, *, watched: bool = False) -> ZSocket:
         sock = self.context.socket(kind)
@@ -360,6 +380,7 @@ class VllmTransport(TransportBase):
                 self._dormant[rank] = _Dormant(outputs, secrets.randbits(64))
                 self.input.kick()
         self.state.forget(rank, epoch=epoch)
+        self.kv.rank_down(rank)
         self._hello_seen[rank] = False
         self._hello_due.pop(rank, None)
         self._watch.release(rank)
@@ -542,6 +563,21 @@ class VllmTransport(TransportBase):
 
     def _rank_up(self, rank: int) -> None:
         self._rank_is_up(rank, f"vLLM {self.state.version(rank)}")
+        if self.nursery is not None:  # (after the group took the new incarnation)
+            host = self._hosts.get(rank) or self._url_host
+            if host in (None, "", "*", "0.0.0.0", "::"):
+                host = "127.0.0.1"
+            self.kv.rank_up(self.nursery, rank, self.state.info(rank), host)
+
+    def attach_prefix(self, index: ExactIndex | None, totals: dict[str, int]) -> None:
+        """The group's prefix index, once its core exists (None: no prefix routing):
+        the KV-event tasks apply what the engines publish to it, and keep their
+        counters, summed, in `totals`."""
+        self.kv.attach(index, totals)
+
+    def kv_event_counters(self) -> KvEventCounters:
+        """What the KV-event feeds of every rank incarnation have seen, summed."""
+        return self.kv.counters()
 
     def _on_input_message(self, frames: list[bytes], fd: int) -> None:
         """The engines' ready responses (`TransportBase.serve_input` reads them, with
@@ -554,6 +590,8 @@ class VllmTransport(TransportBase):
                 self._logs.log(logging.WARNING, "in", "input: from %s: %s", frames[0].hex(), exc)
                 return
             awaiting = self.state.awaits_response(frames[0])
+            if awaiting is not None:
+                self._hosts[awaiting] = peer_host(fd)  # where its KV events are
             if (rank := self.state.on_ready_response(frames[0], info)) is not None:
                 self._rank_up(rank)
             if awaiting is not None:
