@@ -178,6 +178,7 @@ class PrefixCache:
         self._lru: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
+        """The blocks cached."""
         return len(self._lru)
 
     def lookup(self, prompt: Sequence[int]) -> int:
@@ -203,6 +204,7 @@ class PrefixCache:
             lru.popitem(last=False)
 
     def clear(self) -> None:
+        """Forget every block (a restarted engine starts with a cold cache)."""
         self._lru.clear()
 
 
