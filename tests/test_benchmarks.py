@@ -33,7 +33,9 @@ def test_every_benchmark_runs_and_reports_its_rows(tmp_path: Path) -> None:
     gateway = ("G32t", "G256t", "G32a", "G256a")  # bench_gateway.py
     liveness = ("Lnki", "Lnsb", "Lvki", "Lvsb")  # bench_liveness.py (of its 8)
     vs_vllm = ("P7a", "P7b", "P7cpu", "P7c")  # bench_vs_vllm.py (skipped without .venv-vllm)
+    prefix = ("Pnh", "Pnt", "Pnc", "Pnb", "Pvh", "Pvt", "Pvc", "Pvb")  # bench_prefix.py
     rows = ("P1a", "P1b", "P2", "P3", "P4", "P5", "P6", "lat", "V1", *gateway, *liveness, *vs_vllm)
+    rows += prefix
     for row in rows:
         assert f"| {row} |" in text and f"| {row} | (not run)" not in text, row
     assert len(list((tmp_path / "plots").glob("*.png"))) >= 5

@@ -18,6 +18,19 @@ request it refuses: an ``"error"`` finish with the reason); the rank serves on. 
 carries `load` (waiting, running, kv) and `seq`. Step time is per rank, so speeds can
 differ, and a rank holding requests sends a batch at least once a second.
 
+Each rank has a fake prefix cache (`PrefixCache`, on unless `prefix_cache=False`), the
+model of vLLM's that prefix affinity is measured against (benchmarks/bench_prefix.py):
+blocks of `block_size` prompt ids, chained as `zmqdp._core.prefix.chain` chains them,
+at most ``kv_tokens // block_size`` of them, least recently used evicted first (leaf
+before root, as vLLM frees a request's blocks tail first). A request admitted to run
+looks its prompt up (the longest cached run of whole blocks, never the whole prompt:
+vLLM always computes the last prompt token), stores its prompt's blocks, and, when it
+ends, those of its prompt and generated tokens (vLLM caches output blocks too). Its
+first output says ``"cached": n`` (vLLM's `num_cached_tokens`), and the step that
+admits it lasts `prefill_time` seconds longer per uncached prompt token (0 by default,
+so that the mock's timing is its step time alone). The ready info says `block_size` and
+`num_gpu_blocks`, as a vLLM engine's ready response does.
+
 Lockstep mode follows docs/protocol.md §5 and vLLM's DP engines (as vLLM's DP engines do):
 
 * every running rank takes part in a collective on **every** step (idle ranks run dummy
@@ -51,7 +64,7 @@ import logging
 import math
 import subprocess
 import sys
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -60,6 +73,7 @@ from typing import Any
 import trio
 
 from ._core.errors import HandshakeRejected, quote
+from ._core.prefix import chain
 from .engine import (
     Abort,
     Add,
@@ -78,6 +92,7 @@ from .keys import load_engine_keys
 __all__ = [
     "MockConfig",
     "MockRejected",
+    "PrefixCache",
     "RankFaults",
     "mock_command",
     "mock_process",
@@ -118,6 +133,9 @@ class MockConfig:
     faults: dict[int, RankFaults] = field(default_factory=dict)
     keys: str | None = None  # a `zmqdp.keys` directory: connect with CURVE
     ranks: tuple[int, ...] | None = None  # run only these ranks (None: all of them)
+    prefix_cache: bool = True  # a fake prefix cache per rank (`PrefixCache`)
+    block_size: int = 16  # its block, in prompt ids; kv_tokens // block_size blocks
+    prefill_time: float = 0.0  # s per uncached prompt token, added to the admitting step
 
 
 def parse_body(body: Any) -> tuple[int, int, Any]:
@@ -144,6 +162,50 @@ class _Seq:
     tokens: int
     prompt: int
     tag: Any = None
+    ids: list[int] = field(default_factory=list)  # the prompt's token ids
+    cached: int | None = None  # prompt tokens found cached at admission (then said once)
+
+
+class PrefixCache:
+    """One rank's fake prefix cache (module docstring): an LRU of chained block keys.
+    Only whole blocks are cached, and a lookup never covers the whole prompt."""
+
+    def __init__(self, blocks: int, block_size: int) -> None:
+        if block_size < 1 or blocks < 0:
+            raise ValueError(f"a prefix cache of {blocks} blocks of {block_size} tokens")
+        self.capacity = blocks
+        self.block_size = block_size
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        """The blocks cached."""
+        return len(self._lru)
+
+    def lookup(self, prompt: Sequence[int]) -> int:
+        """The prompt tokens cached (a multiple of the block size, less than the prompt),
+        and mark those blocks used."""
+        lru = self._lru
+        hits = []
+        for key in chain(prompt[: len(prompt) - 1], self.block_size):
+            if key not in lru:
+                break
+            hits.append(key)
+        for key in reversed(hits):  # the root most recent: evicted last
+            lru.move_to_end(key)
+        return len(hits) * self.block_size
+
+    def store(self, tokens: Sequence[int]) -> None:
+        """Cache the whole blocks of `tokens`, then evict past the capacity."""
+        lru = self._lru
+        for key in reversed(chain(tokens, self.block_size)):
+            lru[key] = None
+            lru.move_to_end(key)
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every block (a restarted engine starts with a cold cache)."""
+        self._lru.clear()
 
 
 class _Collective:
@@ -200,6 +262,11 @@ class MockRank:
         self.garbage_left = self.faults.garbage
         self.dead_armed = self.faults.dead_after is not None
         self.silent_armed = self.faults.silent_after is not None
+        self.cache = (
+            PrefixCache(cfg.kv_tokens // cfg.block_size, cfg.block_size)
+            if cfg.prefix_cache
+            else None
+        )
         self._reset()
 
     def _reset(self) -> None:
@@ -213,6 +280,8 @@ class MockRank:
         self.pending_start: int | None = None
         self.silent = False  # the silent fault fired: send nothing
         self.zombie = False  # the dead fault fired: ignore everything but a RESYNC
+        if self.cache is not None:
+            self.cache.clear()  # a new incarnation is a restarted engine: a cold cache
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -254,7 +323,7 @@ class MockRank:
             self.running = False
 
     def _info(self) -> dict[str, Any]:
-        return {
+        info = {
             "engine": "zmqdp-mock",
             "rank": self.rank,
             "max_num_seqs": self.cfg.max_num_seqs,
@@ -262,6 +331,10 @@ class MockRank:
             "lockstep": self.cfg.lockstep,
             "step_time": self.step_time,
         }
+        if self.cache is not None:  # as a vLLM engine's ready response says them
+            info["block_size"] = self.cache.block_size
+            info["num_gpu_blocks"] = self.cache.capacity
+        return info
 
     # -- serving ----------------------------------------------------------------------
 
@@ -336,7 +409,8 @@ class MockRank:
                     out["tag"] = msg.body["tag"]  # echoed, as in every output
                 self.refused.append(Output(msg.id, out, "error"))
             else:
-                self.queue.append(_Seq(msg.id, tokens, 0, prompt, tag))
+                ids = msg.body.get("prompt", []) if self.cache is not None else []
+                self.queue.append(_Seq(msg.id, tokens, 0, prompt, tag, ids))
             # an ADD while parked reports start_wave even if it is refused: the rank
             # cannot know whether the client counts on it (§5)
             if self.collective is not None and not self.running:
@@ -410,10 +484,18 @@ class MockRank:
 
     async def _step(self, eng: Engine) -> bool:
         """One step: admit waiting requests, emit one token each. True to rejoin."""
+        uncached = 0
         while self.queue and len(self.active) < self.cfg.max_num_seqs:
-            self.active.append(self.queue.popleft())
+            s = self.queue.popleft()
+            if self.cache is not None:
+                s.cached = self.cache.lookup(s.ids)
+                self.cache.store(s.ids)
+                uncached += s.prompt - s.cached
+            self.active.append(s)
         if not self.active:
             return False  # a dummy step (lockstep) or nothing to do
+        if uncached and self.cfg.prefill_time > 0:  # the prefill of this step's admissions
+            await trio.sleep(uncached * self.cfg.prefill_time)
         f = self.faults
         while self.garbage_left:  # k undecodable bodies in a row
             self.garbage_left -= 1
@@ -423,14 +505,18 @@ class MockRank:
             s.left -= 1
             s.tokens += 1
             done = s.left <= 0
-            out = (
+            out: dict[str, Any] = (
                 {"token": 1000 + s.tokens}
                 if s.tag is None
                 else {"token": 1000 + s.tokens, "tag": s.tag}
             )
+            if s.cached is not None:  # the first output: vLLM's num_cached_tokens
+                out["cached"], s.cached = s.cached, None
             outputs.append(Output(s.id, out, "length" if done else None))
             if done:
                 self.active.remove(s)
+                if self.cache is not None:  # the answer's whole blocks are cached too
+                    self.cache.store([*s.ids, *range(1001, 1001 + s.tokens)])
         self.emitted += len(outputs)
         dead = None
         if self.dead_armed and f.dead_after is not None and self.emitted >= f.dead_after:
@@ -554,8 +640,9 @@ def mock_command(url: str, config: MockConfig) -> Sequence[str]:
     `kv_tokens` other than the default is a `ValueError`). The inverse of the command
     line's parsing (`parse_fault`): the asyncio gateway runs its mock group with it."""
     default = MockConfig()
-    if config.kv_tokens != default.kv_tokens:
-        raise ValueError("MockConfig.kv_tokens has no command-line form (python -m zmqdp mock)")
+    for name in ("kv_tokens", "prefix_cache", "block_size", "prefill_time"):
+        if getattr(config, name) != getattr(default, name):
+            raise ValueError(f"MockConfig.{name} has no command-line form (python -m zmqdp mock)")
     cmd = _command(url, config.engines)
     cmd += ["--step-time", repr(config.step_time), "--max-num-seqs", str(config.max_num_seqs)]
     cmd += ["--sync-interval", str(config.sync_interval), "--skew", repr(config.skew)]

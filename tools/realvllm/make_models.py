@@ -4,8 +4,10 @@ Run with the real-engine venv's python (it has `tokenizers` and `transformers`):
 
     .venv-vllm/bin/python tools/realvllm/make_models.py OUT_DIR
 
-It writes ``OUT_DIR/dense`` (LlamaForCausalLM) and ``OUT_DIR/moe`` (Qwen3MoeForCausalLM:
-4 experts, top-2), each with ``config.json``, ``generation_config.json`` and a
+It writes ``OUT_DIR/dense`` (LlamaForCausalLM), ``OUT_DIR/moe`` (Qwen3MoeForCausalLM:
+4 experts, top-2) and ``OUT_DIR/dense-long`` (a wider Llama with a 4,096-token context,
+for tools/realvllm/bench_prefix.py: its prompts are many blocks long and their prefill
+must outweigh a decode step), each with ``config.json``, ``generation_config.json`` and a
 byte-level BPE tokenizer trained here on a fixed corpus, so every run makes the same
 files. Engines serve them with ``--load-format dummy`` (random weights): what they
 generate is noise, but it is the noise of a real engine, with real sampling, real
@@ -60,6 +62,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "model_type": "llama",
         "mlp_bias": False,
     },
+    "dense-long": {
+        **COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "mlp_bias": False,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+    },
     "moe": {
         **COMMON,
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -99,7 +113,7 @@ def corpus() -> list[str]:
     return lines
 
 
-def write_tokenizer(out: Path) -> None:
+def write_tokenizer(out: Path, max_length: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -124,7 +138,7 @@ def write_tokenizer(out: Path) -> None:
         additional_special_tokens=SPECIALS[2:],
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = COMMON["max_position_embeddings"]
+    fast.model_max_length = max_length
     fast.save_pretrained(out)
 
 
@@ -149,7 +163,7 @@ def write(root: Path) -> dict[str, Path]:
         (out / "generation_config.json").write_text(
             json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}, indent=2) + "\n"
         )
-        write_tokenizer(out)
+        write_tokenizer(out, config["max_position_embeddings"])
         marker.write_text(want)
     return made
 
