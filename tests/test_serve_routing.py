@@ -42,7 +42,7 @@ def test_no_kv_events_is_refused_where_no_engine_publishes_them() -> None:
 
 @pytest.mark.parametrize(
     ("argv", "speed"),
-    [((), True), (("--routing", "least-loaded"), False), (("--routing", "prefix"), True)],
+    [((), True), (("--routing", "least-loaded"), False), (("--routing", "prefix"), False)],
 )
 async def test_the_routing_reaches_the_group(argv: tuple[str, ...], speed: bool) -> None:
     from tests.test_gateway import serving

@@ -248,7 +248,7 @@ class EngineGroup(Generic[R], metaclass=NoPublicConstructor):
                 recover_timeout=options.recover_timeout
                 or options.ready_timeout
                 or dialect.wire.default_ready_timeout,
-                speed=options.routing != "least-loaded",
+                speed=options.routing == "speed",
                 prefix=options.routing == "prefix",
             )
             group = cast(

@@ -360,11 +360,14 @@ class ConnectOptions:
     Timing takes a rank at most 2 x its capacity past its least-loaded share.
     "least-loaded": the rank holding the fewest requests (its own count or its last
     load report, whichever is higher), whatever its speed.
-    "prefix": "speed", except that a request with token ids (`Request.tokens`; vLLM's
-    `prompt_token_ids`) goes to the rank that probably caches the longest prefix of
-    its prompt, among the ranks within a load band (a quarter over the least-loaded
+    "prefix": "least-loaded", except that a request with token ids (`Request.tokens`;
+    vLLM's `prompt_token_ids`) goes to the rank that probably caches the longest prefix
+    of its prompt, among the ranks within a load band (a quarter over the least-loaded
     one, plus two requests); lockstep groups minimise the largest pending prefill
-    instead (docs/design.md, "Prefix affinity")."""
+    instead (docs/design.md, "Prefix affinity"). Its fallback is least-loaded, not
+    "speed": on prefill-heavy engines the step times "speed" measures are inflated by
+    prefill, and a speed-aware fallback cost up to 1.6 x least-loaded's TTFT on a
+    workload with no shared prefix (benchmarks/RESULTS.md, rows PR* and Pv*)."""
     kv_events: bool = True
     """With ``routing="prefix"``, on vLLM's wire: subscribe to the KV events of every
     rank whose ready response enables them (``--kv-events-config``), and route by what

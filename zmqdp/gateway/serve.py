@@ -181,7 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how a request's rank is chosen. speed (default): the rank that would finish "
         "it first, from each rank's max_num_seqs and step time (timed by the requests it "
         "finishes; timing alone takes a rank at most 2 x max_num_seqs past its fair "
-        "share); least-loaded: the rank holding the fewest requests; prefix: as speed, "
+        "share); least-loaded: the rank holding the fewest requests; prefix: as least-loaded, "
         "but a prompt goes to the rank that probably caches its longest prefix while that "
         "rank's load is within a quarter (plus 2 requests) of the least loaded one's",
     )
