@@ -10,26 +10,19 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 from tests.models import mutants
+from tests.models.hunt import hunt
 from tests.models.prefix import IndexMachine, check_pick
 from zmqdp._core.prefix import PrefixIndex, chain, pick
 
 TestIndex = IndexMachine.TestCase
 TestIndex.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 
-HUNT = settings(
-    max_examples=2000,
-    stateful_step_count=40,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    report_multiple_bugs=False,
-    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # catching, not shrinking
-)
+HUNT = hunt(2000, 40)
 
 Pick = Callable[..., int]
 

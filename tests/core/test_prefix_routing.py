@@ -11,10 +11,11 @@ from typing import Any
 
 import cbor2
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from tests.models import mutants
+from tests.models.hunt import hunt
 from tests.models.prefix import PrefixRoutingMachine
 from zmqdp import Request
 from zmqdp._core.errors import InvalidRequest
@@ -345,15 +346,7 @@ def test_a_lockstep_cores_pending_prefill_ends_at_the_first_output() -> None:
 TestPrefixRouting = PrefixRoutingMachine.TestCase
 TestPrefixRouting.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
-HUNT = settings(
-    max_examples=1000,
-    stateful_step_count=40,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    report_multiple_bugs=False,
-    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # catching, not shrinking
-)
+HUNT = hunt(1000, 40)
 
 
 @pytest.mark.parametrize(

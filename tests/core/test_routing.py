@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -27,6 +27,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.models.hunt import hunt
 from zmqdp._core.errors import InvalidRank, NoEngineAvailable, Overloaded
 from zmqdp._core.messages import Load
 from zmqdp._core.routing import CAPACITY_SPREAD, STEP_RUN, Routing
@@ -317,19 +318,11 @@ class KeepsStaleStepInIndex(Routing):
             self._tree = tree
 
 
-HUNT = settings(
-    # 300 caught every variant until an unrelated module changed and CapBlindIndex
-    # slipped through (the search is derandomized, yet not independent of the rest of
-    # the process); a variant ends the search as soon as it is caught, so 1000 costs
-    # the correct machine nothing and a variant at most a few seconds
-    max_examples=1000,
-    stateful_step_count=50,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    report_multiple_bugs=False,
-    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # catching, not shrinking
-)
+# 300 caught every variant until an unrelated module changed and CapBlindIndex
+# slipped through (the search is derandomized, yet not independent of the rest of
+# the process); a variant ends the search as soon as it is caught, so 1000 costs
+# the correct machine nothing and a variant at most a few seconds
+HUNT = hunt(1000, 50)
 
 
 @pytest.mark.parametrize(

@@ -10,25 +10,18 @@ shown to be caught; `simulate` replays the experiment on a simulated clock.
 from __future__ import annotations
 
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from tests.models import mutants
+from tests.models.hunt import hunt
 from tests.models.routing import ShareMachine, simulate
 from zmqdp._core.routing import SPEED_LEAD, STEP_RUN, TOKENS_SPREAD, Routing
 
 TestShare = ShareMachine.TestCase
 TestShare.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 
-HUNT = settings(
-    max_examples=1000,
-    stateful_step_count=60,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    report_multiple_bugs=False,
-    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # catching, not shrinking
-)
+HUNT = hunt(1000, 60)
 
 
 @pytest.mark.parametrize(
